@@ -1,0 +1,159 @@
+#include "routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "parallel.h"
+
+namespace tutel {
+namespace core {
+namespace {
+
+// a ranks strictly above b.  NaN ranks above every number and equal to NaN,
+// which keeps this a strict weak ordering (std::sort requires one).
+template <class A>
+inline bool ranks_above(A a, A b) {
+  if (std::isnan(a)) return !std::isnan(b);
+  return a > b;  // false whenever b is NaN
+}
+
+// Keeps the k best (value, index) pairs seen so far, sorted best first.
+// Elements arrive in increasing index order, so an equal value never displaces
+// an earlier one: ties resolve to the lower index.
+template <class A>
+inline void insert_candidate(A value, int32_t index, int64_t k, int64_t& filled, A* best_values,
+                             int32_t* best_indices) {
+  if (filled == k && !ranks_above(value, best_values[k - 1])) return;
+  int64_t pos = filled < k ? filled : k - 1;
+  while (pos > 0 && ranks_above(value, best_values[pos - 1])) {
+    best_values[pos] = best_values[pos - 1];
+    best_indices[pos] = best_indices[pos - 1];
+    --pos;
+  }
+  best_values[pos] = value;
+  best_indices[pos] = index;
+  if (filled < k) ++filled;
+}
+
+// Above this k, a partial sort beats repeated insertion.
+constexpr int64_t kInsertionLimit = 32;
+
+}  // namespace
+
+template <class S>
+void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
+                 int32_t* indices, S* gates) {
+  using A = acc_t<S>;
+  int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, experts));
+  parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
+    std::vector<A> best_values(k);
+    std::vector<int32_t> best_indices(k);
+    std::vector<int32_t> order(k > kInsertionLimit ? experts : 0);
+    std::vector<A> row_values(k > kInsertionLimit ? experts : 0);
+    for (int64_t t = first; t < last; ++t) {
+      const S* row = scores + t * experts;
+      if (k <= kInsertionLimit) {
+        int64_t filled = 0;
+        for (int64_t e = 0; e < experts; ++e)
+          insert_candidate(Scalar<S>::load(row[e]), int32_t(e), k, filled, best_values.data(),
+                           best_indices.data());
+      } else {
+        for (int64_t e = 0; e < experts; ++e) row_values[e] = Scalar<S>::load(row[e]);
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+          if (ranks_above(row_values[a], row_values[b])) return true;
+          if (ranks_above(row_values[b], row_values[a])) return false;
+          return a < b;
+        });
+        for (int64_t j = 0; j < k; ++j) best_indices[j] = order[j];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        indices[j * tokens + t] = best_indices[j];
+        gates[j * tokens + t] = row[best_indices[j]];
+      }
+    }
+  });
+}
+
+template <class S>
+void priority_order(const S* priority, int64_t tokens, int32_t* order) {
+  using A = acc_t<S>;
+  std::vector<A> keys(tokens);
+  for (int64_t t = 0; t < tokens; ++t) keys[t] = Scalar<S>::load(priority[t]);
+  std::iota(order, order + tokens, 0);
+  std::stable_sort(order, order + tokens,
+                   [&](int32_t a, int32_t b) { return ranks_above(keys[a], keys[b]); });
+}
+
+Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64_t experts,
+                        const int32_t* order, int32_t* locations, int32_t* counts) {
+  // Two passes over contiguous pieces of the (ordered) token sequence: count
+  // per piece, turn counts into starting offsets, then hand out slots.
+  const int64_t pieces = useful_pieces(tokens, 4096);
+  const int64_t table = k * experts;
+  std::vector<int32_t> offsets(pieces * table, 0);
+  StatusCollector status;
+
+  parallel_pieces(tokens, pieces, [&](int64_t p, int64_t first, int64_t last) {
+    int32_t* histogram = offsets.data() + p * table;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t* choice = indices + j * tokens;
+      int32_t* hist_j = histogram + j * experts;
+      for (int64_t pos = first; pos < last; ++pos) {
+        int64_t t = order ? order[pos] : pos;
+        int32_t e = choice[t];
+        if (e < 0 || e >= experts) {
+          status.report(StatusCode::kExpertIndexOutOfRange, j, t, e);
+          continue;
+        }
+        ++hist_j[e];
+      }
+    }
+  });
+  if (status.failed()) return status.result();
+
+  // GShard order: all of choice 0, then all of choice 1, ...; inside one choice,
+  // piece by piece.
+  for (int64_t e = 0; e < experts; ++e) {
+    int32_t running = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t choice_total = 0;
+      for (int64_t p = 0; p < pieces; ++p) {
+        int32_t& cell = offsets[p * table + j * experts + e];
+        int32_t piece_count = cell;
+        cell = running;
+        running += piece_count;
+        choice_total += piece_count;
+      }
+      counts[j * experts + e] = choice_total;
+    }
+  }
+
+  parallel_pieces(tokens, pieces, [&](int64_t p, int64_t first, int64_t last) {
+    int32_t* next_slot = offsets.data() + p * table;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t* choice = indices + j * tokens;
+      int32_t* where = locations + j * tokens;
+      int32_t* next_j = next_slot + j * experts;
+      for (int64_t pos = first; pos < last; ++pos) {
+        int64_t t = order ? order[pos] : pos;
+        where[t] = next_j[choice[t]]++;
+      }
+    }
+  });
+  return Status{};
+}
+
+#define TUTEL_INSTANTIATE_ROUTING(S)                                                     \
+  template void select_topk<S>(const S*, int64_t, int64_t, int64_t, int32_t*, S*);   \
+  template void priority_order<S>(const S*, int64_t, int32_t*);
+
+TUTEL_INSTANTIATE_ROUTING(float)
+TUTEL_INSTANTIATE_ROUTING(double)
+TUTEL_INSTANTIATE_ROUTING(bfloat16)
+TUTEL_INSTANTIATE_ROUTING(float16)
+
+}  // namespace core
+}  // namespace tutel

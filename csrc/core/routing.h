@@ -1,0 +1,40 @@
+// Top-k expert selection and GShard slot assignment on raw arrays.
+//
+// Layout conventions shared by every kernel:
+//   scores     [tokens, experts]   row-major
+//   indices    [k, tokens] int32   indices[j * tokens + t] = j-th choice of token t
+//   locations  [k, tokens] int32   slot of that choice inside its expert's buffer
+//   counts     [k, experts] int32  how many tokens picked expert e as choice j
+#pragma once
+
+#include <cstdint>
+
+#include "scalar.h"
+#include "status.h"
+
+namespace tutel {
+namespace core {
+
+// For every token, the k experts with the highest scores, best first.  Ties go
+// to the lower expert index; NaN ranks above every number (as in torch.topk).
+// gates[j * tokens + t] receives the selected score.
+template <class S>
+void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
+                 int32_t* indices, S* gates);
+
+// Batch-prioritized routing: the order in which tokens claim slots.  Tokens
+// with a higher priority (their top-1 score) come first; equal priorities keep
+// token order, so the result is deterministic.
+template <class S>
+void priority_order(const S* priority, int64_t tokens, int32_t* order);
+
+// GShard slot assignment.  Every token's first choice is placed before any
+// token's second choice, and so on; within one choice, tokens are placed in
+// `order` (token order when order == nullptr).  Thus
+//   locations[j, t] = sum_{i<j} counts[i, e] + #{tokens before t in order with choice j == e}
+// where e = indices[j, t].  Fails if an index lies outside [0, experts).
+Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64_t experts,
+                        const int32_t* order, int32_t* locations, int32_t* counts);
+
+}  // namespace core
+}  // namespace tutel

@@ -1,0 +1,64 @@
+// Argument checks shared by the operator implementations.  The Python layer
+// validates first and gives friendlier messages; these keep direct
+// torch.ops.tutel.* callers from reaching the kernels with bad tensors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "../core/status.h"
+
+namespace tutel {
+namespace ops {
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType expected, const char* op,
+                        const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == expected, "tutel::", op, ": `", name, "` must have dtype ",
+                   expected, ", got ", t.scalar_type());
+}
+
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == dim, "tutel::", op, ": `", name, "` must be ", dim,
+                    "-D, got shape ", t.sizes());
+}
+
+inline void check_floating(const at::Tensor& t, const char* op, const char* name) {
+  auto d = t.scalar_type();
+  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kDouble || d == at::kBFloat16 || d == at::kHalf,
+                   "tutel::", op, ": `", name,
+                   "` must be float32, float64, bfloat16 or float16, got ", d);
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
+                              const char* name) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), "tutel::", op, ": `", name, "` is on ", b.device(),
+                    " but the data is on ", a.device());
+}
+
+// indices and locations: int32 [k, T] of the same shape.  (Operators make
+// their inputs contiguous themselves, so callers may pass views.)
+inline void check_slot_table(const at::Tensor& indices, const at::Tensor& locations,
+                             const char* op) {
+  check_dtype(indices, at::kInt, op, "indices");
+  check_dtype(locations, at::kInt, op, "locations");
+  check_dim(indices, 2, op, "indices");
+  TORCH_CHECK_VALUE(indices.sizes() == locations.sizes(), "tutel::", op,
+                    ": `indices` and `locations` must have the same shape [k, tokens], got ",
+                    indices.sizes(), " and ", locations.sizes());
+}
+
+// Turns a core error into a Python IndexError / ValueError naming the entry.
+inline void raise_if_failed(const core::Status& status, const char* op) {
+  if (status.ok()) return;
+  if (status.code == core::StatusCode::kExpertIndexOutOfRange) {
+    TORCH_CHECK_INDEX(false, "tutel::", op, ": expert index ", status.value,
+                      " (choice ", status.choice, ", token ", status.token,
+                      ") is out of range; indices must satisfy 0 <= index < num_experts");
+  }
+  TORCH_CHECK_VALUE(false, "tutel::", op, ": location ", status.value, " (choice ", status.choice,
+                    ", token ", status.token, ") is negative; locations must be >= 0");
+}
+
+}  // namespace ops
+}  // namespace tutel

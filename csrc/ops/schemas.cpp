@@ -1,0 +1,30 @@
+// Operator schemas of the tutel library.  Each op is declared once here and
+// implemented per device (ops/cpu, ops/cuda); shape-only ("fake") versions for
+// torch.compile live in tutel/ops/fake.py and autograd in tutel/ops/.
+#include <torch/library.h>
+
+TORCH_LIBRARY(tutel, m) {
+  // Top-k selection plus GShard slot assignment.  Returns
+  //   indices [k, T] int32, gates [k, T] (scores' dtype), locations [k, T] int32,
+  //   counts [k, E] int32 (tokens per expert and choice).
+  m.def(
+      "route_topk(Tensor scores, int k, bool batch_prioritized) -> "
+      "(Tensor indices, Tensor gates, Tensor locations, Tensor counts)");
+  // Slot assignment for given indices [k, T]; with `priority` [T], tokens of
+  // higher priority claim slots first (batch-prioritized routing).
+  m.def(
+      "assign_locations(Tensor indices, int num_experts, Tensor? priority) -> "
+      "(Tensor locations, Tensor counts)");
+  // out = cumsum(mask, dim=0) - 1 for a 2-D mask.
+  m.def("cumsum_sub_one(Tensor mask) -> Tensor");
+  // out[t] = sum_j w[j,t] * rows[idx, loc] over kept choices; rows is [E, C, M].
+  // dots[j,t] = <rows[idx, loc], other[t]> when `other` is given, else empty.
+  m.def(
+      "gather_slots(Tensor rows, Tensor indices, Tensor locations, Tensor? weights, "
+      "Tensor? other) -> (Tensor out, Tensor dots)");
+  // out[idx, loc] = w[j,t] * src[t] into a zeroed [E, C, M] buffer.
+  // dots[j,t] = <other[idx, loc], src[t]> when `other` ([E, C, M]) is given.
+  m.def(
+      "scatter_slots(Tensor src, Tensor indices, Tensor locations, Tensor? weights, "
+      "Tensor? other, SymInt num_experts, SymInt capacity) -> (Tensor out, Tensor dots)");
+}

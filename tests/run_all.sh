@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up this machine (PyTorch, GoogleTest, build tools), builds the project and
+# runs every test: the C++ core suite (ctest, also under ASan/UBSan) and the
+# Python suite (pytest).  Safe to run repeatedly; installs only what is missing.
+#
+#   bash tests/run_all.sh              # everything
+#   bash tests/run_all.sh -k routing   # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source tests/setup_env.sh
+
+echo "== C++ core: GoogleTest =="
+cmake -S . -B build/cpp -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build/cpp -j "${MAX_JOBS}" >/dev/null
+ctest --test-dir build/cpp --output-on-failure -j "${MAX_JOBS}"
+
+echo "== C++ core: GoogleTest under AddressSanitizer + UBSan =="
+cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DTUTEL_SANITIZE=ON >/dev/null
+cmake --build build/asan -j "${MAX_JOBS}" >/dev/null
+ctest --test-dir build/asan --output-on-failure -j "${MAX_JOBS}"
+
+echo "== Python: pytest =="
+python3 -m pytest -q -p no:cacheprovider tests/python "$@"

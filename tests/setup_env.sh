@@ -1,0 +1,38 @@
+# Sourced by the demo and test scripts: installs what a fresh machine lacks and
+# builds the extension in place.  Installs only what is missing.
+set -euo pipefail
+export MAX_JOBS="${MAX_JOBS:-2}"
+PYTHON="${PYTHON:-python3}"
+# The PyTorch to install when none is present (a CPU build on the project's machines).
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "== installing ${TORCH_SPEC} =="
+  "$PYTHON" -m pip install -q "${TORCH_SPEC}"
+fi
+
+missing=()
+for module in pytest hypothesis ninja numpy; do
+  "$PYTHON" -c "import ${module}" 2>/dev/null || missing+=("${module}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "== installing ${missing[*]} =="
+  "$PYTHON" -m pip install -q "${missing[@]}"
+fi
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "== installing ${need_apt[*]} (apt) =="
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+echo "== building the tutel extension in place =="
+"$PYTHON" setup.py -q build_ext --inplace 2>&1 | grep -vE "^(running|copying|creating)|UserWarning|warnings.warn|^$" || true
+"$PYTHON" -c "import tutel" || { echo "the tutel extension failed to build" >&2; exit 1; }
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:${PYTHONPATH}}"

@@ -1,0 +1,12 @@
+"""tutel: fast, correct Mixture-of-Experts layers for PyTorch.
+
+A drop-in replacement for Microsoft Tutel: ``from tutel import moe`` gives the
+same API (``moe.moe_layer``, ``moe.top_k_routing``, ``moe.fast_encode`` ...),
+backed by the compiled operators registered under ``torch.ops.tutel``.
+"""
+from ._version import __version__
+from ._extension import load_extension as _load_extension
+
+_C = _load_extension()
+
+__all__ = ["__version__"]

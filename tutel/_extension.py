@@ -1,0 +1,30 @@
+"""Loads the compiled extension (tutel._C), which registers torch.ops.tutel.*."""
+import glob
+import os
+
+_HOW_TO_BUILD = (
+    "Build it against the installed PyTorch from the source tree with\n"
+    "    pip install --no-build-isolation .          (or: pip install --no-build-isolation -e .)\n"
+    "or, for an in-place build, `python setup.py build_ext --inplace`."
+)
+
+
+def load_extension():
+    """Imports tutel._C and returns it; raises ImportError with build instructions on failure."""
+    try:
+        from . import _C
+    except ImportError as error:
+        package_dir = os.path.dirname(os.path.abspath(__file__))
+        built = glob.glob(os.path.join(package_dir, "_C*.so")) + glob.glob(
+            os.path.join(package_dir, "_C*.pyd")
+        )
+        if built:
+            reason = (
+                f"tutel's compiled extension exists ({os.path.basename(built[0])}) but failed to load: "
+                f"{error}.\nThis usually means it was built against a different PyTorch than the one "
+                "installed now. Rebuild it:\n"
+            )
+        else:
+            reason = "tutel's compiled extension (tutel._C) is not built.\n"
+        raise ImportError(reason + _HOW_TO_BUILD) from error
+    return _C

@@ -1,0 +1,1 @@
+"""Implementation modules behind the public `tutel.moe` facade."""

@@ -1,0 +1,1 @@
+"""Tutel-compatible module path for the compiled routing kernels."""

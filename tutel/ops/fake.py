@@ -1,0 +1,48 @@
+"""Shape-only implementations of torch.ops.tutel.*, used by torch.compile and FakeTensor tracing."""
+import torch
+
+from ._library import register_fake
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@register_fake("tutel::route_topk")
+def _route_topk(scores, k, batch_prioritized):
+    tokens, experts = scores.shape
+    indices = scores.new_empty((k, tokens), dtype=torch.int32)
+    gates = scores.new_empty((k, tokens))
+    locations = scores.new_empty((k, tokens), dtype=torch.int32)
+    counts = scores.new_empty((k, experts), dtype=torch.int32)
+    return indices, gates, locations, counts
+
+
+@register_fake("tutel::assign_locations")
+def _assign_locations(indices, num_experts, priority):
+    return torch.empty_like(indices), indices.new_empty((indices.shape[0], num_experts))
+
+
+@register_fake("tutel::cumsum_sub_one")
+def _cumsum_sub_one(mask):
+    floating = mask.dtype in (torch.float32, torch.float64)
+    return mask.new_empty(mask.shape, dtype=mask.dtype if floating else torch.int64)
+
+
+def _dots(indices, other, dtype):
+    acc = _accumulation_dtype(dtype)
+    if other is None:
+        return indices.new_empty((0,), dtype=acc)
+    return indices.new_empty(indices.shape, dtype=acc)
+
+
+@register_fake("tutel::gather_slots")
+def _gather_slots(rows, indices, locations, weights, other):
+    out = rows.new_empty((indices.shape[1], rows.shape[2]))
+    return out, _dots(indices, other, rows.dtype)
+
+
+@register_fake("tutel::scatter_slots")
+def _scatter_slots(src, indices, locations, weights, other, num_experts, capacity):
+    out = src.new_empty((num_experts, capacity, src.shape[1]))
+    return out, _dots(indices, other, src.dtype)
