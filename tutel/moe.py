@@ -1,6 +1,6 @@
 """The public Tutel API: ``from tutel import moe``.
 
-Routing and dispatch (``top_k_routing``, ``fast_encode``, ``fast_decode``,
+``moe_layer`` is the MoE layer; routing and dispatch (``top_k_routing``, ``fast_encode``, ``fast_decode``,
 ``fast_dispatcher``, ``fast_cumsum_sub_one``) are backed by the compiled
 operators in ``torch.ops.tutel``.
 """
@@ -14,11 +14,13 @@ from .impls.fast_dispatch import (
     fast_encode,
     get_dispatch_count,
 )
+from .impls.moe_layer import MOELayer, moe_layer
 from .jit_kernels.gating import fast_cumsum_sub_one
 
 top_k_routing = extract_critical
 
 __all__ = [
+    "MOELayer",
     "GatingDecoder",
     "GatingEncoder",
     "TutelMoeFastDispatcher",
@@ -28,5 +30,6 @@ __all__ = [
     "fast_dispatcher",
     "fast_encode",
     "get_dispatch_count",
+    "moe_layer",
     "top_k_routing",
 ]

@@ -1,0 +1,120 @@
+"""The fused feed-forward experts (Tutel's ``{'type': 'ffn'}``): y = act(x W1^T + b1) W2 + b2,
+computed for all local experts with batched matrix products."""
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._grouped import flatten_features, grouped_apply, occupied_rows
+
+
+class FusedExpertsNetwork(torch.nn.Module):
+    """``num_experts_per_device`` two-layer MLP experts stored as batched tensors.
+
+    Parameters (state_dict keys, Tutel's layout):
+        batched_fc1_w    [L, H/S, model_dim]   (nn.Linear layout)
+        batched_fc2_w    [L, H/S, output_dim]  (transposed layout)
+        batched_fc1_bias [L, H/S]
+        batched_fc2_bias [L, ceil(output_dim/S)]
+    where L = local experts, H = hidden_size_per_expert and S = sharded_count
+    (processes sharing one expert, each holding a slice of the hidden dimension).
+
+    Args:
+        activation_fn: act(x); default ReLU.
+        activation_fn_with_self: act(x, module) instead of activation_fn (not both).
+        output_dim: expert output size (default model_dim).
+        has_fc1_bias, has_fc2_bias: create the biases (else registered as None).
+    """
+
+    def __init__(self, model_dim: int, hidden_size_per_expert: int, num_experts_per_device: int,
+                 sharded_count: int = 1, activation_fn: Optional[Callable] = None,
+                 activation_fn_with_self: Optional[Callable] = None, output_dim: Optional[int] = None,
+                 has_fc1_bias: bool = True, has_fc2_bias: bool = True):
+        super().__init__()
+        if hidden_size_per_expert % sharded_count != 0:
+            raise ValueError(f"Can't evenly divide hidden_size_per_expert ({hidden_size_per_expert}) into "
+                             f"{sharded_count} slices (one per process sharing an expert)")
+        if activation_fn is not None and activation_fn_with_self is not None:
+            raise ValueError("Option `activation_fn_with_self` has been specified, please keep exactly one of "
+                             "`activation_fn` and `activation_fn_with_self`")
+        self.skip_expert = int(os.environ.get("SKIP_EXPERT", "0")) != 0
+        self.model_dim = model_dim
+        self.hidden_size_per_expert = hidden_size_per_expert
+        self.local_experts = num_experts_per_device
+        self.sharded_count = sharded_count
+        self.hidden_size = hidden_size_per_expert // sharded_count
+        self.output_dim = output_dim or model_dim
+        self.activation_fn = activation_fn
+        self.activation_fn_with_self = activation_fn_with_self
+
+        L, H = num_experts_per_device, self.hidden_size
+        self.batched_fc1_w = torch.nn.Parameter(torch.empty(L, H, model_dim))
+        self.batched_fc2_w = torch.nn.Parameter(torch.empty(L, H, self.output_dim))
+        if has_fc1_bias:
+            self.batched_fc1_bias = torch.nn.Parameter(torch.empty(L, H))
+        else:
+            self.register_parameter("batched_fc1_bias", None)
+        if has_fc2_bias:
+            self.batched_fc2_bias = torch.nn.Parameter(torch.empty(L, -(-self.output_dim // sharded_count)))
+        else:
+            self.register_parameter("batched_fc2_bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialises each local expert like a fresh pair of nn.Linear layers (Tutel's scheme)."""
+        with torch.no_grad():
+            for i in range(self.batched_fc1_w.size(0)):
+                fc1 = torch.nn.Linear(self.model_dim, self.hidden_size, bias=self.batched_fc1_bias is not None)
+                fc2 = torch.nn.Linear(self.hidden_size, self.output_dim, bias=self.batched_fc2_bias is not None)
+                self.batched_fc1_w[i] = fc1.weight
+                if self.batched_fc1_bias is not None:
+                    self.batched_fc1_bias[i] = fc1.bias
+                self.batched_fc2_w[i] = fc2.weight.t()
+                if self.batched_fc2_bias is not None:
+                    self.batched_fc2_bias[i] = fc2.bias[:self.batched_fc2_bias.size(-1)]
+
+    def extra_repr(self) -> str:
+        return "model_dim=%d, hidden_size=%d, output_dim=%d, num_experts_per_device=%d has_fc1_bias=%s, has_fc2_bias=%s" % (
+            self.model_dim, self.hidden_size, self.output_dim, self.local_experts,
+            self.batched_fc1_bias is not None, self.batched_fc2_bias is not None)
+
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_fn_with_self is not None:
+            return self.activation_fn_with_self(x, self)
+        if self.activation_fn is not None:
+            return self.activation_fn(x)
+        return F.relu(x)
+
+    def weights_for(self, ctx):
+        """(fc1_w [L', H', M], fc2_w [L', H', O], fc1_b [L', H'] or None, fc2_b [L', O] or None)
+        as used by this call (whole local experts in a single process)."""
+        from .sharding import ffn_weights_for_call
+        return ffn_weights_for_call(self, ctx)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if self.skip_expert:
+            return x
+        fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
+
+        def mlp(h: torch.Tensor, w1, w2, b1, b2) -> torch.Tensor:
+            h = torch.matmul(h, w1.transpose(-1, -2))
+            if b1 is not None:
+                h = h + b1.unsqueeze(-2)
+            h = torch.matmul(self.activate(h), w2)
+            if b2 is not None:
+                h = h + b2.unsqueeze(-2)
+            return h
+
+        features = flatten_features(x, self.model_dim, self.output_dim)
+        if getattr(ctx, "megablocks_size", 0) > 0:
+            rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
+            y = grouped_apply(features, rows, lambda e, h: mlp(h, fc1_w[e], fc2_w[e],
+                                                                None if fc1_b is None else fc1_b[e],
+                                                                None if fc2_b is None else fc2_b[e]),
+                              fc2_w.shape[-1])
+        else:
+            y = mlp(features, fc1_w, fc2_w, fc1_b, fc2_b)
+        return y.view(x.shape) if x.dim() > 3 else y
+
+ExpertModule = FusedExpertsNetwork

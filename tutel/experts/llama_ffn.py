@@ -1,0 +1,60 @@
+"""SwiGLU experts as in LLaMA (Tutel's ``{'type': 'llama_ffn'}``): y = (act(x W1) * (x W2)) W3."""
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._grouped import flatten_features, grouped_apply, occupied_rows
+
+
+class LlamaFFNNetwork(torch.nn.Module):
+    """Gated MLP experts without biases.
+
+    Parameters (Tutel's layout): ``W_fc1`` and ``W_fc2`` of full shape [L, model_dim, H] and
+    ``W_fc3`` of full shape [L, H, model_dim], each stored as a flat 1-D shard of
+    ceil(numel / S) elements (S = sharded_count processes share the experts; with S = 1 the
+    shard is the whole tensor).  Initialised N(0, 0.01).
+    """
+
+    def __init__(self, model_dim: int, hidden_size_per_expert: int, num_experts_per_device: int,
+                 sharded_count: int = 1, activation_fn: Callable = F.silu):
+        super().__init__()
+        self.model_dim = model_dim
+        self.hidden_size_per_expert = hidden_size_per_expert
+        self.local_experts = num_experts_per_device
+        self.sharded_count = sharded_count
+        self.activation_fn = activation_fn
+        self.full_shapes = {
+            "W_fc1": (num_experts_per_device, model_dim, hidden_size_per_expert),
+            "W_fc2": (num_experts_per_device, model_dim, hidden_size_per_expert),
+            "W_fc3": (num_experts_per_device, hidden_size_per_expert, model_dim),
+        }
+        for name, shape in self.full_shapes.items():
+            numel = shape[0] * shape[1] * shape[2]
+            shard = torch.empty(-(-numel // sharded_count))
+            torch.nn.init.normal_(shard, 0, 0.01)
+            self.register_parameter(name, torch.nn.Parameter(shard))
+
+    def extra_repr(self) -> str:
+        return ".."
+
+    def full_weights(self, ctx):
+        """The three weights at their full [L, ., .] shape for this call."""
+        from .sharding import llama_weights_for_call
+        return llama_weights_for_call(self, ctx)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        w1, w2, w3 = self.full_weights(ctx)
+
+        def swiglu(h, a, b, c):
+            return torch.matmul(self.activation_fn(torch.matmul(h, a)) * torch.matmul(h, b), c)
+
+        features = flatten_features(x, self.model_dim, self.model_dim)
+        if getattr(ctx, "megablocks_size", 0) > 0:
+            rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
+            y = grouped_apply(features, rows, lambda e, h: swiglu(h, w1[e], w2[e], w3[e]), self.model_dim)
+        else:
+            y = swiglu(features, w1, w2, w3)
+        return y.view(x.shape) if x.dim() > 3 else y
+
+ExpertModule = LlamaFFNNetwork
