@@ -84,8 +84,10 @@ class MOELayer(torch.nn.Module):
         self.world_size = get_world_size(self.group)
 
         self.num_local_experts = pop_local_expert_count(experts)
-        self.register_buffer("_num_global_experts",
-                             torch.tensor(global_expert_count(self.num_local_experts, self.world_size)))
+        # A Python int for the layer's own use (traceable by torch.compile) and Tutel's buffer,
+        # which puts the count into state_dict.
+        self._expert_count = global_expert_count(self.num_local_experts, self.world_size)
+        self.register_buffer("_num_global_experts", torch.tensor(self._expert_count))
         if self.num_global_experts < self.world_size:
             self.sharded_count = self.world_size // self.num_global_experts
             self.num_local_experts = 1
@@ -131,7 +133,7 @@ class MOELayer(torch.nn.Module):
 
     @property
     def num_global_experts(self) -> int:
-        return int(self._num_global_experts)
+        return self._expert_count
 
     def extra_repr(self) -> str:
         return "Top-K(s) = %s, Total-Experts = %d [managed by %d device(s)]," % (
