@@ -14,7 +14,7 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 
 missing=()
-for module in pytest hypothesis ninja numpy; do
+for module in pytest hypothesis ninja numpy matplotlib; do
   "$PYTHON" -c "import ${module}" 2>/dev/null || missing+=("${module}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

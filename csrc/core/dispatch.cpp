@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
-#include "row_ops.h"
+#include "row_kernels.h"
 
 namespace tutel {
 namespace core {
@@ -32,48 +33,63 @@ inline int64_t slot_of(const SlotTable& s, int64_t j, int64_t t, StatusCollector
   return int64_t(e) * s.capacity + l;
 }
 
+template <class T>
+inline void zero_row(T* dst, int64_t M) {
+  std::memset(static_cast<void*>(dst), 0, sizeof(T) * M);
+}
+
+// dst += w * src, rounding once per element (only for slots shared by several choices).
+template <class T>
+inline void add_scaled_row(T* dst, const T* src, acc_t<T> w, int64_t M) {
+  for (int64_t m = 0; m < M; ++m)
+    dst[m] = Scalar<T>::store(Scalar<T>::load(dst[m]) + w * Scalar<T>::load(src[m]));
+}
+
+// dst = sum_i w_i * rows[i]; a single row of weight one is copied as it is.
+template <class T>
+inline void combine_rows(const RowKernels<T>& kernels, T* dst, const T* const* rows, const acc_t<T>* weights,
+                         int n, int64_t M) {
+  if (n == 1 && (weights == nullptr || weights[0] == acc_t<T>(1))) {
+    std::memcpy(static_cast<void*>(dst), rows[0], sizeof(T) * M);
+    return;
+  }
+  kernels.weighted_sum(dst, rows, weights, n, M);
+}
+
 }  // namespace
 
 template <class T>
 Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const acc_t<T>* weights,
                     const T* other, acc_t<T>* dots, T* out) {
   using A = acc_t<T>;
+  const RowKernels<T>& kernels = row_kernels<T>();
   StatusCollector status;
   parallel_for(0, s.tokens, row_grain(M), [&](int64_t first, int64_t last) {
-    // Accumulation row for 16-bit types (and for k > 1 sums of float data we
-    // accumulate in the output row itself).
-    std::vector<A> acc(is_native_v<T> ? 0 : M);
+    // The kept choices of one token: their slot rows, weights and choice numbers.
+    std::vector<const T*> kept_rows(s.k);
+    std::vector<A> kept_weights(s.k);
+    std::vector<int64_t> kept_choices(s.k);
     for (int64_t t = first; t < last; ++t) {
-      T* dst = out + t * M;
       int kept = 0;
       for (int64_t j = 0; j < s.k; ++j) {
         int64_t slot = slot_of(s, j, t, status);
         if (dots) dots[j * s.tokens + t] = A(0);
         if (slot < 0) continue;
-        const T* row = rows + slot * M;
-        A w = weights ? weights[j * s.tokens + t] : A(1);
-        if constexpr (is_native_v<T>) {
-          if (kept == 0)
-            scale_row(dst, row, w, M);
-          else
-            add_scaled_into<T>(dst, row, w, M);
-        } else {
-          if (s.k == 1) {
-            scale_row(dst, row, w, M);
-          } else if (kept == 0) {
-            scale_into<T>(acc.data(), row, w, M);
-          } else {
-            add_scaled_into<T>(acc.data(), row, w, M);
-          }
-        }
-        if (dots) dots[j * s.tokens + t] = dot_row(row, other + t * M, M);
+        kept_rows[kept] = rows + slot * M;
+        kept_weights[kept] = weights ? weights[j * s.tokens + t] : A(1);
+        kept_choices[kept] = j;
         ++kept;
       }
+      T* dst = out + t * M;
       if (kept == 0) {
         zero_row(dst, M);
-      } else if constexpr (!is_native_v<T>) {
-        if (s.k > 1) store_row(dst, acc.data(), M);
+        continue;
       }
+      // One pass: every kept row is read once and the sum is rounded once.
+      combine_rows(kernels, dst, kept_rows.data(), weights ? kept_weights.data() : nullptr, kept, M);
+      if (dots)
+        for (int i = 0; i < kept; ++i)
+          dots[kept_choices[i] * s.tokens + t] = kernels.dot(kept_rows[i], other + t * M, M);
     }
   });
   return status.result();
@@ -83,56 +99,62 @@ template <class T>
 Status scatter_slots(const T* src, int64_t M, const SlotTable& s, const acc_t<T>* weights,
                      const T* other, acc_t<T>* dots, T* out) {
   using A = acc_t<T>;
+  const RowKernels<T>& kernels = row_kernels<T>();
   const int64_t entries = s.k * s.tokens;
   const int64_t slots = s.experts * s.capacity;
   StatusCollector status;
 
-  // owner[slot] = j * tokens + t of the choice that claimed the slot, or -1.
+  // owner[slot] = j * tokens + t of a choice that names the slot, or -1.  Claims
+  // are plain (relaxed) stores; whether two choices named one slot is found
+  // afterwards by counting: without sharing, every kept choice owns a slot.
   std::vector<int64_t> owner(slots, -1);
-  std::atomic<bool> shared_slot{false};
+  std::atomic<int64_t> kept_choices{0};
   parallel_for(0, entries, 16384, [&](int64_t first, int64_t last) {
+    int64_t kept = 0;
     for (int64_t at = first; at < last; ++at) {
       int64_t slot = slot_of(s, at / s.tokens, at % s.tokens, status);
       if (slot < 0) continue;
-      int64_t unclaimed = -1;
-      if (!__atomic_compare_exchange_n(&owner[slot], &unclaimed, at, false, __ATOMIC_RELAXED,
-                                       __ATOMIC_RELAXED))
-        shared_slot.store(true, std::memory_order_relaxed);
+      __atomic_store_n(&owner[slot], at, __ATOMIC_RELAXED);
+      ++kept;
     }
+    kept_choices.fetch_add(kept, std::memory_order_relaxed);
   });
   if (status.failed()) return status.result();
   if (dots) std::fill(dots, dots + entries, A(0));
 
-  if (!shared_slot.load()) {
-    // Every slot has at most one writer: write each output row exactly once.
-    parallel_for(0, slots, row_grain(M), [&](int64_t first, int64_t last) {
-      for (int64_t slot = first; slot < last; ++slot) {
-        T* dst = out + slot * M;
-        int64_t at = owner[slot];
-        if (at < 0) {
-          zero_row(dst, M);
-          continue;
-        }
-        const T* row = src + (at % s.tokens) * M;
-        scale_row(dst, row, weights ? weights[at] : A(1), M);
-        if (dots) dots[at] = dot_row(other + slot * M, row, M);
+  // Write each output row exactly once, zero rows included (no separate zero fill).
+  std::atomic<int64_t> owned_slots{0};
+  parallel_for(0, slots, row_grain(M), [&](int64_t first, int64_t last) {
+    int64_t owned = 0;
+    for (int64_t slot = first; slot < last; ++slot) {
+      T* dst = out + slot * M;
+      int64_t at = __atomic_load_n(&owner[slot], __ATOMIC_RELAXED);
+      if (at < 0) {
+        zero_row(dst, M);
+        continue;
       }
-    });
-    return Status{};
-  }
+      ++owned;
+      const T* row = src + (at % s.tokens) * M;
+      combine_rows(kernels, dst, &row, weights ? weights + at : nullptr, 1, M);
+      if (dots) dots[at] = kernels.dot(row, other + slot * M, M);
+    }
+    owned_slots.fetch_add(owned, std::memory_order_relaxed);
+  });
+  if (owned_slots.load() == kept_choices.load()) return Status{};
 
   // Several choices name the same slot (only possible with caller-made
-  // locations).  Sum their contributions in a fixed order so the result does
-  // not depend on threads.
+  // locations).  Start again and sum their contributions in a fixed order so the
+  // result does not depend on threads.
   parallel_for(0, slots, row_grain(M), [&](int64_t first, int64_t last) {
     for (int64_t slot = first; slot < last; ++slot) zero_row(out + slot * M, M);
   });
+  if (dots) std::fill(dots, dots + entries, A(0));
   for (int64_t at = 0; at < entries; ++at) {
     int64_t slot = slot_of(s, at / s.tokens, at % s.tokens, status);
     if (slot < 0) continue;
     const T* row = src + (at % s.tokens) * M;
     add_scaled_row(out + slot * M, row, weights ? weights[at] : A(1), M);
-    if (dots) dots[at] = dot_row(other + slot * M, row, M);
+    if (dots) dots[at] = kernels.dot(row, other + slot * M, M);
   }
   return Status{};
 }

@@ -37,12 +37,13 @@ inline uint32_t float_to_bits(float f) {
 
 inline float bf16_to_float(bfloat16 v) { return bits_to_float(uint32_t(v.bits) << 16); }
 
-// Round to nearest, ties to even; NaN stays a quiet NaN (same rule as PyTorch).
+// Round to nearest, ties to even; NaN becomes the quiet NaN 0x7fc0 (same rule
+// as PyTorch).  Written without a branch so loops over rows vectorise.
 inline bfloat16 float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bfloat16{uint16_t(0x7fc0)};
-  uint32_t rounding_bias = 0x7fffu + ((u >> 16) & 1u);
-  return bfloat16{uint16_t((u + rounding_bias) >> 16)};
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return bfloat16{uint16_t(is_nan ? 0x7fc0u : rounded)};
 }
 
 inline float fp16_to_float(float16 v) {

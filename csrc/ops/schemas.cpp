@@ -27,4 +27,14 @@ TORCH_LIBRARY(tutel, m) {
   m.def(
       "scatter_slots(Tensor src, Tensor indices, Tensor locations, Tensor? weights, "
       "Tensor? other, SymInt num_experts, SymInt capacity) -> (Tensor out, Tensor dots)");
+  // Grouped linear map over consecutive row blocks (the dropless expert GEMMs):
+  // rows [o_g, o_g + group_rows[g]) of x [N, K] times weight[g] ([K, O], or
+  // [O, K] when weight_transposed), plus bias[g] ([G, O]).  Returns [N, O].
+  m.def(
+      "grouped_linear(Tensor x, Tensor weight, Tensor? bias, int[] group_rows, bool weight_transposed) -> Tensor");
+  // Gradients of grouped_linear for x, weight (in weight's layout) and bias;
+  // those not selected by output_mask are empty tensors.
+  m.def(
+      "grouped_linear_backward(Tensor grad, Tensor x, Tensor weight, int[] group_rows, bool weight_transposed, "
+      "bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
 }

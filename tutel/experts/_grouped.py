@@ -1,15 +1,21 @@
-"""Running an expert function only over the occupied rows of each expert's slab.
+"""Grouped expert execution (``megablocks_size = b``): each expert computes only over the rows
+its tokens occupy, rounded up to blocks of b, never over padding.
 
-With dropless routing the [E, C, M] buffer is padded to the busiest expert; the
-rows past an expert's real load hold no token.  ``megablocks_size = b`` asks
-for each expert's first ceil(load / b) * b rows only (never more than C).
+In a single process the MoE layer dispatches the tokens straight into a grouped buffer: the
+experts' rows one after another, ``rows[e] = min(ceil(load_e / b) * b, capacity)`` of them, so
+there is no [E, C, M] buffer padded to the busiest expert at all.  Built-in experts run their
+GEMMs on that buffer with ``tutel.ops.expert_linear(..., group_rows=rows)``.
 """
-from typing import Callable
+import math
+from typing import Callable, List
 
 import torch
+import torch.nn.functional as F
+
+from .. import ops
 
 
-def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> "list[int]":
+def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
     """Rows to compute per local expert: the load rounded up to `block`, at most `capacity`.
 
     Reads the counts on the host (one synchronisation, by design: the shapes depend on them)."""
@@ -17,28 +23,66 @@ def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> "l
     return [min(-(-int(load) // block) * block, capacity) for load in loads]
 
 
-def grouped_apply(x: torch.Tensor, rows: "list[int]", expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
-                  output_dim: int) -> torch.Tensor:
-    """y[e, :rows[e]] = expert_fn(e, x[e, :rows[e]]), zero elsewhere; differentiable."""
-    outputs = []
+def supports_grouped(experts: torch.nn.Module) -> bool:
+    """Whether `experts` can run on the grouped layout (``forward_grouped(x, group_rows, ctx)``)."""
+    return callable(getattr(experts, "forward_grouped", None))
+
+
+def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tensor, int]":
+    """The routing of `crit` re-targeted at the grouped buffer.
+
+    Slot (e, l) becomes row ``offset[e] + l`` of one [N, M] buffer, described as a single
+    "expert" with capacity N = sum(rows), so the ordinary encode / decode operators fill and read
+    it.  Dropped choices (l >= capacity, or a negative expert index) get location N, which is
+    dropped as well.
+
+    Returns (indices [k, T] of zeros, locations [k, T], N)."""
+    num_experts, indices_s, locations_s, _, capacity = crit[:5]
+    indices = torch.stack(list(indices_s)) if isinstance(indices_s, (list, tuple)) else indices_s
+    locations = torch.stack(list(locations_s)) if isinstance(locations_s, (list, tuple)) else locations_s
+    total = sum(rows)
+    starts = torch.tensor([0] + rows[:-1], dtype=torch.int64, device=indices.device).cumsum(0)
+    grouped = (starts[indices.long().clamp(min=0)] + locations).to(torch.int32)
+    # A negative expert index (Tutel's "not dispatched") is dropped like a location >= capacity.
+    kept = (locations < capacity) & (indices >= 0)
+    grouped = torch.where(kept, grouped, torch.full_like(grouped, total))
+    return torch.zeros_like(indices), grouped, total
+
+
+def run_grouped_experts(layer, x: torch.Tensor, crit, reserve_shape, block: int, is_postscore: bool) -> torch.Tensor:
+    """Dispatch, experts and combine of one MoE call on the grouped layout; returns [T, O].
+
+    Sets ``layer.protected_shape`` to the experts' output shape, as the padded path does."""
+    rows = occupied_rows(layer.local_dispatch_count, crit[4], block)
+    indices, locations, total = grouped_locations(crit, rows)
+    gates = crit[3]
+    grouped = ops.encode(x, indices, locations, 1, total, gates=None if is_postscore else gates)
+    y = layer.experts.forward_grouped(grouped.view(total, *reserve_shape), rows, layer)
+    layer.protected_shape = y.shape
+    y = y.reshape(1, total, math.prod(y.shape[1:]))
+    return ops.decode(y, indices, locations, gates=gates if is_postscore else None)
+
+
+def grouped_apply(x: torch.Tensor, rows: List[int],
+                  grouped_fn: Callable[[torch.Tensor, List[int]], torch.Tensor]) -> torch.Tensor:
+    """For an [E, C, M] buffer: y[e, :rows[e]] = the grouped computation on those rows, zero
+    elsewhere (experts called directly with ``ctx.megablocks_size`` on a padded buffer)."""
     capacity = x.shape[1]
-    for expert, count in enumerate(rows):
-        computed = expert_fn(expert, x[expert, :count]) if count > 0 else x.new_zeros((0, output_dim))
-        if count < capacity:
-            computed = torch.cat([computed, computed.new_zeros((capacity - count, output_dim))], dim=0)
-        outputs.append(computed)
-    return torch.stack(outputs, dim=0)
+    packed = torch.cat([x[expert, :count] for expert, count in enumerate(rows)], dim=0)
+    y = grouped_fn(packed, rows)
+    pieces = [F.pad(piece, (0, 0, 0, capacity - count)) for piece, count in zip(y.split(rows), rows)]
+    return torch.stack(pieces, dim=0)
 
 
-def flatten_features(x: torch.Tensor, model_dim: int, output_dim: int) -> torch.Tensor:
-    """[L, tokens, *features] -> [L, tokens, model_dim].
+def flatten_features(x: torch.Tensor, model_dim: int, output_dim: int, batch_dims: int = 2) -> torch.Tensor:
+    """[*batch, *features] -> [*batch, model_dim] (batch = [L, tokens], or [rows] when grouped).
 
     With reserve_dims > 1 a token spans several trailing dims; MLP experts act on all of
     them flattened and hand back the same shape, which needs output_dim == model_dim."""
-    if x.dim() == 3:
+    if x.dim() == batch_dims + 1:
         return x
     if output_dim != model_dim:
         raise ValueError(f"experts with output_dim={output_dim} != model_dim={model_dim} cannot restore a "
-                         f"multi-dim token shape {tuple(x.shape[2:])} (reserve_dims > 1); use reserve_dims=1 "
+                         f"multi-dim token shape {tuple(x.shape[batch_dims:])} (reserve_dims > 1); use reserve_dims=1 "
                          f"or a custom expert")
-    return x.reshape(x.shape[0], x.shape[1], model_dim)
+    return x.reshape(*x.shape[:batch_dims], model_dim)

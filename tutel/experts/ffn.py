@@ -6,6 +6,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..ops import expert_linear
 from ._grouped import flatten_features, grouped_apply, occupied_rows
 
 
@@ -92,29 +93,31 @@ class FusedExpertsNetwork(torch.nn.Module):
         from .sharding import ffn_weights_for_call
         return ffn_weights_for_call(self, ctx)
 
+    def _mlp(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
+        """The two linear layers on [L, C, M] (or grouped [N, M] rows with `group_rows`)."""
+        fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
+        h = expert_linear(h, fc1_w, fc1_b, weight_transposed=True, group_rows=group_rows)
+        # The default ReLU runs in place: expert_linear keeps its inputs, not its output.
+        h = F.relu_(h) if self.activation_fn is None and self.activation_fn_with_self is None else self.activate(h)
+        return expert_linear(h, fc2_w, fc2_b, group_rows=group_rows)
+
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if self.skip_expert:
             return x
-        fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
-
-        def mlp(h: torch.Tensor, w1, w2, b1, b2) -> torch.Tensor:
-            h = torch.matmul(h, w1.transpose(-1, -2))
-            if b1 is not None:
-                h = h + b1.unsqueeze(-2)
-            h = torch.matmul(self.activate(h), w2)
-            if b2 is not None:
-                h = h + b2.unsqueeze(-2)
-            return h
-
         features = flatten_features(x, self.model_dim, self.output_dim)
         if getattr(ctx, "megablocks_size", 0) > 0:
             rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
-            y = grouped_apply(features, rows, lambda e, h: mlp(h, fc1_w[e], fc2_w[e],
-                                                                None if fc1_b is None else fc1_b[e],
-                                                                None if fc2_b is None else fc2_b[e]),
-                              fc2_w.shape[-1])
+            y = grouped_apply(features, rows, lambda packed, group_rows: self._mlp(packed, ctx, group_rows))
         else:
-            y = mlp(features, fc1_w, fc2_w, fc1_b, fc2_b)
+            y = self._mlp(features, ctx)
         return y.view(x.shape) if x.dim() > 3 else y
+
+    def forward_grouped(self, x: torch.Tensor, group_rows, ctx) -> torch.Tensor:
+        """x: [N, *features] rows grouped by local expert (group_rows[e] rows each) -> [N, *out]."""
+        if self.skip_expert:
+            return x
+        y = self._mlp(flatten_features(x, self.model_dim, self.output_dim, batch_dims=1), ctx, group_rows)
+        return y.view(x.shape) if x.dim() > 2 else y
+
 
 ExpertModule = FusedExpertsNetwork

@@ -4,6 +4,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..ops import expert_linear
 from ._grouped import flatten_features, grouped_apply, occupied_rows
 
 
@@ -43,18 +44,26 @@ class LlamaFFNNetwork(torch.nn.Module):
         from .sharding import llama_weights_for_call
         return llama_weights_for_call(self, ctx)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def _swiglu(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
+        """act(h W1) * (h W2) W3 on [L, C, M] (or grouped [N, M] rows with `group_rows`)."""
         w1, w2, w3 = self.full_weights(ctx)
+        gate = expert_linear(h, w1, group_rows=group_rows)
+        up = expert_linear(h, w2, group_rows=group_rows)
+        return expert_linear(self.activation_fn(gate) * up, w3, group_rows=group_rows)
 
-        def swiglu(h, a, b, c):
-            return torch.matmul(self.activation_fn(torch.matmul(h, a)) * torch.matmul(h, b), c)
-
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         features = flatten_features(x, self.model_dim, self.model_dim)
         if getattr(ctx, "megablocks_size", 0) > 0:
             rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
-            y = grouped_apply(features, rows, lambda e, h: swiglu(h, w1[e], w2[e], w3[e]), self.model_dim)
+            y = grouped_apply(features, rows, lambda packed, group_rows: self._swiglu(packed, ctx, group_rows))
         else:
-            y = swiglu(features, w1, w2, w3)
+            y = self._swiglu(features, ctx)
         return y.view(x.shape) if x.dim() > 3 else y
+
+    def forward_grouped(self, x: torch.Tensor, group_rows, ctx) -> torch.Tensor:
+        """x: [N, *features] rows grouped by local expert (group_rows[e] rows each) -> same shape."""
+        y = self._swiglu(flatten_features(x, self.model_dim, self.model_dim, batch_dims=1), ctx, group_rows)
+        return y.view(x.shape) if x.dim() > 2 else y
+
 
 ExpertModule = LlamaFFNNetwork

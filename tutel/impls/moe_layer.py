@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from ..experts._grouped import run_grouped_experts, supports_grouped
 from ..ops._checks import require_finite_number, require_int
 from . import losses
 from .autocast import autocast_dtype, without_autocast
@@ -208,10 +209,14 @@ class MOELayer(torch.nn.Module):
         self.megablocks_size = megablocks_size
         self.dispatch_count = get_dispatch_count(crit)
         self.local_dispatch_count = self.dispatch_count
-        y = fast_encode(x, crit, self.is_postscore)
         with self._per_call(adaptive_degree=adaptive_r, a2a_ffn_overlap_degree=overlap):
-            y = self._run_experts(y, reserve_shape, overlap, adaptive_r)
-        y = fast_decode(y, crit, self.is_postscore)
+            if megablocks_size > 0 and supports_grouped(self.experts):
+                # Dropless without padding: tokens go straight into the experts' grouped rows.
+                y = run_grouped_experts(self, x, crit, reserve_shape, megablocks_size, self.is_postscore)
+            else:
+                y = fast_encode(x, crit, self.is_postscore)
+                y = self._run_experts(y, reserve_shape, overlap, adaptive_r)
+                y = fast_decode(y, crit, self.is_postscore)
 
         output_shape = list(original_shape[:-reserve_dims]) + list(self.protected_shape[-reserve_dims:])
         output = y.view(output_shape).to(original_dtype)

@@ -46,3 +46,20 @@ def _gather_slots(rows, indices, locations, weights, other):
 def _scatter_slots(src, indices, locations, weights, other, num_experts, capacity):
     out = src.new_empty((num_experts, capacity, src.shape[1]))
     return out, _dots(indices, other, src.dtype)
+
+
+def _grouped_outputs(weight, weight_transposed):
+    return weight.shape[1] if weight_transposed else weight.shape[2]
+
+
+@register_fake("tutel::grouped_linear")
+def _grouped_linear(x, weight, bias, group_rows, weight_transposed):
+    return x.new_empty((x.shape[0], _grouped_outputs(weight, weight_transposed)))
+
+
+@register_fake("tutel::grouped_linear_backward")
+def _grouped_linear_backward(grad, x, weight, group_rows, weight_transposed, output_mask):
+    grad_x = x.new_empty((x.shape[0] if output_mask[0] else 0, x.shape[1]))
+    grad_weight = weight.new_empty(weight.shape if output_mask[1] else (0,))
+    grad_bias = x.new_empty((weight.shape[0] if output_mask[2] else 0, _grouped_outputs(weight, weight_transposed)))
+    return grad_x, grad_weight, grad_bias

@@ -1,0 +1,65 @@
+"""Every benchmark script runs once at tiny sizes (--smoke) and writes JSON that parses, and the
+report is rebuilt from it, so the suite in benchmarks/ cannot rot.  No timing is checked here."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "benchmarks")
+
+
+def load_script(name):
+    if BENCHMARKS_DIR not in sys.path:
+        sys.path.insert(0, BENCHMARKS_DIR)
+    spec = importlib.util.spec_from_file_location(f"tutel_benchmark_{name}", os.path.join(BENCHMARKS_DIR, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("benchmark_results"))
+
+
+EXPECTED_KEYS = {"layer": ["rows", "roofline", "profile"], "scaling": ["rows", "token_sweep", "expert_sweep"],
+                 "dispatch": ["dispatch", "routing", "metadata"], "dropless": ["rows"]}
+
+
+@pytest.mark.parametrize("name", ["layer", "scaling", "dispatch", "dropless"])
+def test_benchmark_smoke_run_writes_json(name, results_dir, keep_threads):
+    returned = load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
+    with open(os.path.join(results_dir, f"{name}.json")) as handle:
+        written = json.load(handle)
+    assert written["benchmark"] == name and written["smoke"] is True and written["machine"]["torch"]
+    for key in EXPECTED_KEYS[name]:
+        assert written[key], key
+        assert key in returned
+    rows = written.get("rows") or written.get("dispatch")
+    timed = [value for row in rows for key, value in row.items() if key == "ms" or key.endswith("_ms")]
+    assert timed and all(value > 0 for value in timed)
+
+
+def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
+    for name in EXPECTED_KEYS:  # the page needs every benchmark's JSON (written by the tests above)
+        if not os.path.exists(os.path.join(results_dir, f"{name}.json")):
+            load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
+    doc, images = tmp_path / "performance.md", tmp_path / "images"
+    text = load_script("report").main(["--results", results_dir, "--doc", str(doc), "--images", str(images)])
+    assert doc.read_text() == text
+    for heading in ("## Machine", "## Bytes and FLOPs per kernel", "## moe_layer against the ideal",
+                    "## Scaling", "## Dispatch and routing", "## Dropless without padding"):
+        assert heading in text
+    for sweep in ("tokens", "experts"):
+        assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0

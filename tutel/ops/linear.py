@@ -1,0 +1,156 @@
+"""Per-expert linear maps: ``y = x @ W_e (+ b_e)`` for every expert e, forward and backward.
+
+Two layouts of the tokens:
+
+* batched: ``x`` is ``[E, C, K]`` (every expert has C rows, the padded expert buffer);
+* grouped: ``x`` is ``[N, K]`` with the experts' rows stored one expert after the other and
+  ``group_rows[e]`` rows for expert e (the dropless layout: no row is padding).
+
+``weight`` is ``[E, K, O]``, or ``[E, O, K]`` (``nn.Linear``'s layout) with
+``weight_transposed=True``.  Gradients come back in the weight's own layout, so no transposing
+copy is made when they are accumulated.
+"""
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..impls.autocast import autocast_dtype
+from ._checks import require_dim, require_floating
+
+
+def _right_factor(weight: torch.Tensor, weight_transposed: bool) -> torch.Tensor:
+    """The [.., K, O] matrices the rows are multiplied by."""
+    return weight.transpose(-1, -2) if weight_transposed else weight
+
+
+def _weight_grad(rows: torch.Tensor, grad: torch.Tensor, weight_transposed: bool) -> torch.Tensor:
+    """d weight for rows [.., n, K] and output gradient [.., n, O], in the weight's layout."""
+    if weight_transposed:
+        return torch.matmul(grad.transpose(-1, -2), rows)
+    return torch.matmul(rows.transpose(-1, -2), grad)
+
+
+def _autocast_operands(x, weight, bias):
+    """Under autocast, the operands in autocast's dtype (what autocast does for bmm / mm, which
+    the operators below run on directly); float64 is left alone, as autocast does."""
+    try:
+        dtype = autocast_dtype(x.device.type)
+    except RuntimeError:  # a device type autocast does not know (e.g. meta)
+        dtype = None
+    if dtype is None:
+        return x, weight, bias
+    return tuple(t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype) for t in (x, weight, bias))
+
+
+class _BatchedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_transposed):
+        right = _right_factor(weight, weight_transposed)
+        out = torch.bmm(x, right) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, right)
+        ctx.weight_transposed = weight_transposed
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch.bmm(grad, _right_factor(weight, ctx.weight_transposed).transpose(1, 2)) \
+            if ctx.needs_input_grad[0] else None
+        grad_weight = _weight_grad(x, grad, ctx.weight_transposed) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(dim=1) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        group_rows: Sequence[int], weight_transposed: bool) -> torch.Tensor:
+    """grouped_linear with one matrix product per expert from Python (devices without the
+    compiled operator)."""
+    out = x.new_empty((x.shape[0], weight.shape[1] if weight_transposed else weight.shape[2]))
+    offset = 0
+    for expert, count in enumerate(group_rows):
+        if count:
+            rows = x[offset:offset + count]
+            right = _right_factor(weight[expert], weight_transposed)
+            if bias is None:
+                torch.mm(rows, right, out=out[offset:offset + count])
+            else:
+                torch.addmm(bias[expert], rows, right, out=out[offset:offset + count])
+        offset += count
+    return out
+
+
+def grouped_linear_backward_loop(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_rows: Sequence[int],
+                                 weight_transposed: bool, output_mask: Sequence[bool]):
+    """grouped_linear_backward with one set of matrix products per expert from Python."""
+    grad_x = torch.empty_like(x) if output_mask[0] else None
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if output_mask[1] else None
+    grad_bias = grad.new_empty((weight.shape[0], grad.shape[1])) if output_mask[2] else None
+    offset = 0
+    for expert, count in enumerate(group_rows):
+        rows_grad, rows = grad[offset:offset + count], x[offset:offset + count]
+        if grad_x is not None and count:
+            torch.mm(rows_grad, _right_factor(weight[expert], weight_transposed).t(), out=grad_x[offset:offset + count])
+        if grad_weight is not None:
+            grad_weight[expert] = _weight_grad(rows, rows_grad, weight_transposed) if count else 0
+        if grad_bias is not None:
+            grad_bias[expert] = rows_grad.sum(dim=0) if count else 0
+        offset += count
+    return grad_x, grad_weight, grad_bias
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_rows, weight_transposed):
+        if x.device.type == "cpu":
+            out = torch.ops.tutel.grouped_linear(x, weight, bias, group_rows, weight_transposed)
+        else:
+            out = grouped_linear_loop(x, weight, bias, group_rows, weight_transposed)
+        ctx.group_rows, ctx.weight_transposed = group_rows, weight_transposed
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad[:3])
+        if x.device.type == "cpu":
+            grads = torch.ops.tutel.grouped_linear_backward(grad, x, weight, ctx.group_rows,
+                                                            ctx.weight_transposed, mask)
+        else:
+            grads = grouped_linear_backward_loop(grad.contiguous(), x, weight, ctx.group_rows,
+                                                 ctx.weight_transposed, mask)
+        grad_x, grad_weight, grad_bias = (g if wanted else None for g, wanted in zip(grads, mask))
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  weight_transposed: bool = False, group_rows: Optional[List[int]] = None) -> torch.Tensor:
+    """``y = x @ W_e + b_e`` for every expert e, differentiable in x, weight and bias.
+
+    Args:
+        x: ``[E, C, K]`` (batched) or, with ``group_rows``, ``[N, K]`` rows grouped by expert.
+        weight: ``[E, K, O]``, or ``[E, O, K]`` with ``weight_transposed=True``.
+        bias: optional ``[E, O]``.
+        group_rows: rows of each expert in ``x`` (sum = N); None for the batched layout.
+
+    Returns:
+        ``[E, C, O]`` or ``[N, O]``.  The grouped layout runs each expert's product only over its
+        own rows, all from one operator call on CPU (a Python loop on other devices).
+    """
+    where = "tutel.ops.expert_linear"
+    require_floating(x, "x", where)
+    require_dim(weight, 3, "weight", where)
+    x, weight, bias = _autocast_operands(x, weight, bias)
+    if group_rows is None:
+        require_dim(x, 3, "x", where)
+        if x.shape[0] != weight.shape[0]:
+            raise ValueError(f"{where}: `x` holds {x.shape[0]} experts but `weight` {weight.shape[0]}")
+        return _BatchedLinear.apply(x, weight, bias, bool(weight_transposed))
+    require_dim(x, 2, "x", where)
+    group_rows = [int(count) for count in group_rows]
+    if len(group_rows) != weight.shape[0] or any(count < 0 for count in group_rows) or sum(group_rows) != x.shape[0]:
+        raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to the "
+                         f"{x.shape[0]} rows of `x`, got {group_rows}")
+    return _GroupedLinear.apply(x, weight, bias, group_rows, bool(weight_transposed))
