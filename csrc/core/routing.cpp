@@ -40,6 +40,26 @@ inline void insert_candidate(A value, int32_t index, int64_t k, int64_t& filled,
 // Above this k, a partial sort beats repeated insertion.
 constexpr int64_t kInsertionLimit = 32;
 
+// Scores examined at once by the skip test below, and the expert count from
+// which the test pays: with few experts the list's k-th best is still low when
+// the blocks arrive, most blocks pass and the test is extra work (measured: 15%
+// slower at 64 experts, 1.7x faster at 1024).
+constexpr int64_t kScanBlock = 16;
+constexpr int64_t kScanMinExperts = 256;
+
+// Whether any of kScanBlock scores could enter a full top-k list whose k-th best is
+// `threshold`: for a number threshold that is exactly "some value is NaN or
+// greater", i.e. !(v <= threshold).  (A NaN threshold lets every block through;
+// insert_candidate then turns every value away, as it must.)  Branch-free so that
+// it vectorises (GCC does so only when it is not inlined into the row loop): most
+// blocks of a row fail it once the list holds large scores.
+template <class S>
+__attribute__((noinline)) bool block_may_enter(const S* values, acc_t<S> threshold) {
+  int at_most_threshold = 0;
+  for (int i = 0; i < int(kScanBlock); ++i) at_most_threshold += Scalar<S>::load(values[i]) <= threshold;
+  return at_most_threshold != int(kScanBlock);
+}
+
 }  // namespace
 
 template <class S>
@@ -55,10 +75,18 @@ void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
     for (int64_t t = first; t < last; ++t) {
       const S* row = scores + t * experts;
       if (k <= kInsertionLimit) {
-        int64_t filled = 0;
-        for (int64_t e = 0; e < experts; ++e)
+        int64_t filled = 0, e = 0;
+        for (; e < experts && filled < k; ++e)
           insert_candidate(Scalar<S>::load(row[e]), int32_t(e), k, filled, best_values.data(),
                            best_indices.data());
+        const bool skip_blocks = experts >= kScanMinExperts;
+        for (; e < experts; e += kScanBlock) {
+          const int64_t end = std::min(e + kScanBlock, experts);
+          if (skip_blocks && end - e == kScanBlock && !block_may_enter(row + e, best_values[k - 1])) continue;
+          for (int64_t i = e; i < end; ++i)
+            insert_candidate(Scalar<S>::load(row[i]), int32_t(i), k, filled, best_values.data(),
+                             best_indices.data());
+        }
       } else {
         for (int64_t e = 0; e < experts; ++e) row_values[e] = Scalar<S>::load(row[e]);
         std::iota(order.begin(), order.end(), 0);
@@ -75,16 +103,6 @@ void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
       }
     }
   });
-}
-
-template <class S>
-void priority_order(const S* priority, int64_t tokens, int32_t* order) {
-  using A = acc_t<S>;
-  std::vector<A> keys(tokens);
-  for (int64_t t = 0; t < tokens; ++t) keys[t] = Scalar<S>::load(priority[t]);
-  std::iota(order, order + tokens, 0);
-  std::stable_sort(order, order + tokens,
-                   [&](int32_t a, int32_t b) { return ranks_above(keys[a], keys[b]); });
 }
 
 Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64_t experts,
@@ -146,9 +164,8 @@ Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64
   return Status{};
 }
 
-#define TUTEL_INSTANTIATE_ROUTING(S)                                                     \
-  template void select_topk<S>(const S*, int64_t, int64_t, int64_t, int32_t*, S*);   \
-  template void priority_order<S>(const S*, int64_t, int32_t*);
+#define TUTEL_INSTANTIATE_ROUTING(S) \
+  template void select_topk<S>(const S*, int64_t, int64_t, int64_t, int32_t*, S*);
 
 TUTEL_INSTANTIATE_ROUTING(float)
 TUTEL_INSTANTIATE_ROUTING(double)

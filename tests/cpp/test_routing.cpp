@@ -135,3 +135,44 @@ TEST(Routing, ReportsTheFirstOutOfRangeIndex) {
   EXPECT_EQ(status.token, 5000);
   EXPECT_EQ(status.value, -2);
 }
+
+// priority_order against std::stable_sort by the ranking select_topk uses, with
+// ties, NaN, infinities and both zeros, on sizes that split into several pieces.
+template <class T>
+void check_priority_order(int64_t tokens, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> pick(0, 19);
+  std::uniform_real_distribution<double> dist(-2.0, 2.0);
+  std::vector<T> priority(tokens);
+  for (auto& value : priority) {
+    double v = dist(rng);
+    switch (pick(rng)) {
+      case 0: v = NAN; break;
+      case 1: v = -NAN; break;
+      case 2: v = INFINITY; break;
+      case 3: v = -INFINITY; break;
+      case 4: v = 0.0; break;
+      case 5: v = -0.0; break;
+      case 6: case 7: v = std::floor(v * 4) / 4; break;  // frequent ties
+      default: break;
+    }
+    value = Scalar<T>::store(static_cast<acc_t<T>>(v));
+  }
+  std::vector<int32_t> order(tokens), expected(tokens);
+  priority_order(priority.data(), tokens, order.data());
+  std::iota(expected.begin(), expected.end(), 0);
+  std::stable_sort(expected.begin(), expected.end(), [&](int32_t a, int32_t b) {
+    acc_t<T> x = Scalar<T>::load(priority[a]), y = Scalar<T>::load(priority[b]);
+    return std::isnan(x) ? !std::isnan(y) : x > y;
+  });
+  ASSERT_EQ(order, expected) << "tokens " << tokens;
+}
+
+TEST(Routing, PriorityOrderIsAStableDescendingSort) {
+  for (int64_t tokens : {0, 1, 2, 7, 1000, 70000}) {
+    check_priority_order<float>(tokens, unsigned(tokens + 1));
+    check_priority_order<double>(tokens, unsigned(tokens + 2));
+    check_priority_order<bfloat16>(tokens, unsigned(tokens + 3));
+    check_priority_order<float16>(tokens, unsigned(tokens + 4));
+  }
+}
