@@ -175,6 +175,22 @@ def format_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def measure_rows(configs: Sequence[tuple], time_row: Callable[..., Dict[str, object]], columns: Sequence[str],
+                 memory_row: Optional[Callable[[Dict[str, object]], None]] = None) -> List[Dict[str, object]]:
+    """Times every configuration (``time_row(*config)`` returns its row), printing each row as it
+    comes; then, with large blocks mmap'd, lets ``memory_row(row)`` add peak memory figures."""
+    rows: List[Dict[str, object]] = []
+    for config in configs:
+        rows.append(time_row(*config))
+        print(format_table(rows[-1:], columns).splitlines()[-1], flush=True)
+    if memory_row is not None:
+        use_mmap_for_large_blocks()
+        for row in rows:
+            memory_row(row)
+    print(format_table(rows, columns))
+    return rows
+
+
 def write_result(out_dir: str, name: str, payload: Dict[str, object], smoke: bool) -> str:
     """Writes `payload` plus the machine description and load to <out_dir>/<name>.json."""
     os.makedirs(out_dir, exist_ok=True)

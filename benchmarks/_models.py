@@ -11,6 +11,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from _common import interleaved_medians
 from tutel import moe
 from tutel.impls.capacity import expert_capacity
 
@@ -142,6 +143,22 @@ class LayerCase:
     def step_with_fresh_inputs(self, name: str) -> Callable[[], None]:
         step = {"layer": self.layer_step, "ideal": self.ideal_step, "naive": self.naive_step}[name]
         return lambda: step(self.inputs_only_for(name))
+
+
+def time_case(case: LayerCase, reps: int, naive_limit_bytes: Optional[int] = 2 << 30) -> Dict[str, object]:
+    """Interleaved median step times of layer, ideal and (where it fits) naive, and their ratios."""
+    s = case.shape
+    with_naive = naive_fits(s["T"], s["E"], case.capacity, naive_limit_bytes)
+    row: Dict[str, object] = dict(s, C=case.capacity)
+    if with_naive:
+        row["naive_max_abs_diff"] = case.naive_difference()
+    times = interleaved_medians(case.steps(include_naive=with_naive), reps)
+    for name, seconds in times.items():
+        row[f"{name}_ms"] = seconds * 1e3
+    row["layer/ideal"] = times["layer"] / times["ideal"]
+    row["naive/layer"] = times["naive"] / times["layer"] if with_naive else None
+    row["tokens_per_s"] = s["T"] / times["layer"]
+    return row
 
 
 def naive_fits(tokens: int, experts: int, capacity: int, limit_bytes: Optional[int] = 2 << 30) -> bool:

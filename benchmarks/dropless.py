@@ -10,13 +10,12 @@ other expert drawn from a Zipf law; a 'uniform' row draws both choices evenly fo
     python benchmarks/dropless.py --smoke
 """
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from _common import (format_table, interleaved_medians, load_average, parse_args, peak_memory_mib,
-                     use_mmap_for_large_blocks, write_result)
+from _common import interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib, write_result
 from _models import clear_grads
 from tutel import moe
 
@@ -126,15 +125,9 @@ COLUMNS = ["T", "M", "H", "E", "k", "routing", "busiest_share", "real_rows", "pa
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
-    rows: List[Dict[str, object]] = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
-        for routing in ("zipf", "uniform"):
-            rows.append(measure(shape, routing, args.reps))
-            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    use_mmap_for_large_blocks()
-    for row in rows:
-        measure_memory(row)
-    print(format_table(rows, COLUMNS))
+    configs = [(shape, routing, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
+               for routing in ("zipf", "uniform")]
+    rows = measure_rows(configs, measure, COLUMNS, memory_row=measure_memory)
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "zipf_exponent": ZIPF_EXPONENT}
     write_result(args.out, "dropless", result, args.smoke)
     return result

@@ -6,13 +6,12 @@ layer, measured in the same run.
     python benchmarks/layer.py --smoke    # tiny sizes, one repetition
 """
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import (format_table, interleaved_medians, load_average, parse_args, peak_memory_mib,
-                     use_mmap_for_large_blocks, write_result)
-from _models import LayerCase, naive_fits
+from _common import interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib, write_result
+from _models import LayerCase, time_case
 
 # (T, M, H, E, k)
 SHAPES = [(4096, 512, 1024, 8, 2), (4096, 512, 256, 64, 2), (2048, 1024, 512, 32, 8)]
@@ -23,18 +22,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def measure_time(shape, dtype_name: str, reps: int) -> Dict[str, object]:
-    tokens, model_dim, hidden, experts, top_k = shape
-    case = LayerCase(tokens, model_dim, hidden, experts, top_k, DTYPES[dtype_name])
-    with_naive = naive_fits(tokens, experts, case.capacity)
-    row: Dict[str, object] = dict(case.shape, dtype=dtype_name, C=case.capacity, load_before=load_average())
-    if with_naive:
-        row["naive_max_abs_diff"] = case.naive_difference()
-    times = interleaved_medians(case.steps(include_naive=with_naive), reps)
-    for name, seconds in times.items():
-        row[f"{name}_ms"] = seconds * 1e3
-    row["layer/ideal"] = times["layer"] / times["ideal"]
-    row["naive/layer"] = times["naive"] / times["layer"] if with_naive else None
-    row["tokens_per_s"] = tokens / times["layer"]
+    load = load_average()
+    row = time_case(LayerCase(*shape, DTYPES[dtype_name]), reps)
+    row.update(dtype=dtype_name, load_before=load)
     return row
 
 
@@ -81,16 +71,9 @@ COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms",
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
-    rows: List[Dict[str, object]] = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
-        for dtype_name in DTYPES:
-            rows.append(measure_time(shape, dtype_name, args.reps))
-            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    # Memory after all timings: from here on large blocks are mmap'd (see use_mmap_for_large_blocks).
-    use_mmap_for_large_blocks()
-    for row in rows:
-        measure_memory(row)
-    print(format_table(rows, COLUMNS))
+    configs = [(shape, dtype_name, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
+               for dtype_name in DTYPES]
+    rows = measure_rows(configs, measure_time, COLUMNS, memory_row=measure_memory)
     profiled = SMOKE_SHAPES[0] if args.smoke else PROFILED_SHAPE
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "roofline": roofline(args.reps, args.smoke),
               "profile": {"shape": dict(zip("TMHEk", profiled)), "ms_per_step": profile_ops(profiled, args.reps)}}

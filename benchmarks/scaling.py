@@ -8,12 +8,12 @@ count, and with the expert count E at a fixed number of routed choices T*k, agai
 Plots and tables are drawn from the JSON by benchmarks/report.py.
 """
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import format_table, interleaved_medians, load_average, parse_args, write_result
-from _models import LayerCase, naive_fits
+from _common import load_average, measure_rows, parse_args, write_result
+from _models import LayerCase, time_case
 
 # T sweep: E = 64 experts of the layer benchmark's 64-expert shape.
 TOKEN_SWEEP = dict(M=512, H=256, E=64, k=2, T=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])
@@ -28,15 +28,10 @@ LONG_STEP_TOKENS = 16384
 
 def measure(tokens: int, model_dim: int, hidden: int, experts: int, top_k: int, reps: int,
             sweep: str) -> Dict[str, object]:
-    case = LayerCase(tokens, model_dim, hidden, experts, top_k, torch.float32)
-    with_naive = naive_fits(tokens, experts, case.capacity, limit_bytes=1 << 30)
-    times = interleaved_medians(case.steps(include_naive=with_naive), reps)
-    row: Dict[str, object] = dict(sweep=sweep, **case.shape, C=case.capacity, load_before=load_average())
-    for name, seconds in times.items():
-        row[f"{name}_ms"] = seconds * 1e3
-    row["layer/ideal"] = times["layer"] / times["ideal"]
-    row["naive/layer"] = times["naive"] / times["layer"] if with_naive else None
-    row["tokens_per_s"] = tokens / times["layer"]
+    load = load_average()
+    row = time_case(LayerCase(tokens, model_dim, hidden, experts, top_k, torch.float32), reps,
+                    naive_limit_bytes=1 << 30)
+    row.update(sweep=sweep, load_before=load)
     return row
 
 
@@ -48,18 +43,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=5)
     token_sweep = SMOKE_TOKEN_SWEEP if args.smoke else TOKEN_SWEEP
     expert_sweep = SMOKE_EXPERT_SWEEP if args.smoke else EXPERT_SWEEP
-    rows: List[Dict[str, object]] = []
+    configs = []
     for tokens in token_sweep["T"]:
         reps = max(1, args.reps // 2) if tokens >= LONG_STEP_TOKENS else args.reps
-        rows.append(measure(tokens, token_sweep["M"], token_sweep["H"], token_sweep["E"], token_sweep["k"], reps,
-                            "tokens"))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        configs.append((tokens, token_sweep["M"], token_sweep["H"], token_sweep["E"], token_sweep["k"], reps, "tokens"))
     for experts in expert_sweep["E"]:
         top_k = 1 if experts == 1 else 2
-        rows.append(measure(expert_sweep["choices"] // top_k, expert_sweep["M"], expert_sweep["H"], experts, top_k,
-                            args.reps, "experts"))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    print(format_table(rows, COLUMNS))
+        configs.append((expert_sweep["choices"] // top_k, expert_sweep["M"], expert_sweep["H"], experts, top_k,
+                        args.reps, "experts"))
+    rows = measure_rows(configs, measure, COLUMNS)
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "token_sweep": token_sweep,
               "expert_sweep": expert_sweep}
     write_result(args.out, "scaling", result, args.smoke)

@@ -38,6 +38,26 @@ std::vector<T> random_row(int64_t M, std::mt19937& rng, bool specials) {
   return row;
 }
 
+// n random rows with their pointers and random weights in [-weight_range, weight_range].
+template <class T>
+struct RowSet {
+  std::vector<std::vector<T>> rows;
+  std::vector<const T*> pointers;
+  std::vector<acc_t<T>> weights;
+};
+
+template <class T>
+RowSet<T> random_rows(int n, int64_t M, std::mt19937& rng, bool specials, float weight_range) {
+  std::uniform_real_distribution<float> weight(-weight_range, weight_range);
+  RowSet<T> set;
+  for (int i = 0; i < n; ++i) {
+    set.rows.push_back(random_row<T>(M, rng, specials));
+    set.weights.push_back(acc_t<T>(weight(rng)));
+  }
+  for (auto& row : set.rows) set.pointers.push_back(row.data());
+  return set;
+}
+
 template <class T>
 uint64_t bits_of(T value) {
   uint64_t bits = 0;
@@ -64,20 +84,14 @@ TYPED_TEST_SUITE(RowKernelTypes, Types);
 
 TYPED_TEST(RowKernelTypes, PortableWeightedSumMatchesDoubleSum) {
   using T = TypeParam;
-  using A = acc_t<T>;
   const RowKernels<T>& kernels = portable_row_kernels<T>();
   std::mt19937 rng(3);
-  std::uniform_real_distribution<float> weight(-1.5f, 1.5f);
   for (int64_t M : kLengths) {
     for (int n = 1; n <= 5; ++n) {
-      std::vector<std::vector<T>> rows;
-      std::vector<const T*> pointers;
-      std::vector<A> weights;
-      for (int i = 0; i < n; ++i) {
-        rows.push_back(random_row<T>(M, rng, false));
-        weights.push_back(A(weight(rng)));
-      }
-      for (auto& row : rows) pointers.push_back(row.data());
+      RowSet<T> set = random_rows<T>(n, M, rng, false, 1.5f);
+      const auto& rows = set.rows;
+      const auto& pointers = set.pointers;
+      const auto& weights = set.weights;
       std::vector<T> out(M);
       kernels.weighted_sum(out.data(), pointers.data(), weights.data(), n, M);
       for (int64_t m = 0; m < M; ++m) {
@@ -119,18 +133,12 @@ TYPED_TEST(RowKernelTypes, VectorisedKernelsEqualPortableBitwise) {
   if (vectorised == nullptr) GTEST_SKIP() << "no vectorised kernels for this type on this CPU/build";
   const RowKernels<T>& portable = portable_row_kernels<T>();
   std::mt19937 rng(11);
-  std::uniform_real_distribution<float> weight(-2.f, 2.f);
   for (int64_t M : kLengths) {
     for (bool specials : {false, true}) {
       for (int n = 1; n <= 5; ++n) {
-        std::vector<std::vector<T>> rows;
-        std::vector<const T*> pointers;
-        std::vector<A> weights;
-        for (int i = 0; i < n; ++i) {
-          rows.push_back(random_row<T>(M, rng, specials));
-          weights.push_back(A(weight(rng)));
-        }
-        for (auto& row : rows) pointers.push_back(row.data());
+        RowSet<T> set = random_rows<T>(n, M, rng, specials, 2.f);
+        const auto& pointers = set.pointers;
+        const auto& weights = set.weights;
         for (const A* w : {static_cast<const A*>(nullptr), static_cast<const A*>(weights.data())}) {
           std::vector<T> expected(M), got(M);
           portable.weighted_sum(expected.data(), pointers.data(), w, n, M);
