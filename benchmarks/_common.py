@@ -112,11 +112,13 @@ def _mallopt(*settings) -> None:
 
 def retain_freed_memory() -> None:
     """Makes glibc keep freed memory for reuse instead of giving it back to the OS (no mmap for
-    large blocks, no trimming), so repeated allocations of a size do not fault fresh pages in.
+    large blocks, no trimming), as caching allocators (jemalloc, tcmalloc) do, so repeated
+    allocations of a size do not fault fresh pages in.
 
-    Used to time kernels without the cost of the first touch of new pages, which every operator
-    that returns a large fresh tensor pays alike under glibc's defaults (blocks above 32 MiB are
-    always mmap'd)."""
+    Under glibc's defaults blocks above 32 MiB are always mmap'd and smaller ones are often
+    trimmed, so an operator returning a large fresh tensor first pays the kernel for zeroing its
+    pages; how often depends on tensor sizes and allocation history rather than on the code
+    being measured."""
     _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
@@ -176,19 +178,33 @@ def format_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
 
 
 def measure_rows(configs: Sequence[tuple], time_row: Callable[..., Dict[str, object]], columns: Sequence[str],
-                 memory_row: Optional[Callable[[Dict[str, object]], None]] = None) -> List[Dict[str, object]]:
-    """Times every configuration (``time_row(*config)`` returns its row), printing each row as it
-    comes; then, with large blocks mmap'd, lets ``memory_row(row)`` add peak memory figures."""
+                 glibc_row: Optional[Callable[..., Dict[str, object]]] = None) -> List[Dict[str, object]]:
+    """Times every configuration in two phases, in this order because allocator settings
+    cannot be undone:
+
+    1. ``glibc_row(*config)``, if given: figures under glibc's default malloc;
+    2. ``time_row(*config)``: the row, timed with freed memory kept for reuse
+       (retain_freed_memory), printed as it comes.
+
+    Timings taken after this call still run with retained memory; add_memory comes last."""
+    under_glibc = [glibc_row(*config) for config in configs] if glibc_row is not None else [{}] * len(configs)
+    retain_freed_memory()
     rows: List[Dict[str, object]] = []
-    for config in configs:
+    for config, extra in zip(configs, under_glibc):
         rows.append(time_row(*config))
+        rows[-1].update(extra)
         print(format_table(rows[-1:], columns).splitlines()[-1], flush=True)
-    if memory_row is not None:
-        use_mmap_for_large_blocks()
-        for row in rows:
-            memory_row(row)
-    print(format_table(rows, columns))
     return rows
+
+
+def add_memory(rows: List[Dict[str, object]], memory_row: Callable[[Dict[str, object]], None],
+               columns: Sequence[str]) -> None:
+    """With large blocks mmap'd from now on, lets ``memory_row(row)`` add peak memory figures to
+    every row; prints the finished table."""
+    use_mmap_for_large_blocks()
+    for row in rows:
+        memory_row(row)
+    print(format_table(rows, columns))
 
 
 def write_result(out_dir: str, name: str, payload: Dict[str, object], smoke: bool) -> str:

@@ -161,6 +161,13 @@ def time_case(case: LayerCase, reps: int, naive_limit_bytes: Optional[int] = 2 <
     return row
 
 
+def time_case_under_glibc(case: LayerCase, reps: int) -> Dict[str, object]:
+    """layer and ideal timed as time_case does, keys suffixed with _glibc (for glibc's default malloc)."""
+    times = interleaved_medians(case.steps(include_naive=False), reps)
+    return {"layer_ms_glibc": times["layer"] * 1e3, "ideal_ms_glibc": times["ideal"] * 1e3,
+            "layer/ideal_glibc": times["layer"] / times["ideal"]}
+
+
 def naive_fits(tokens: int, experts: int, capacity: int, limit_bytes: Optional[int] = 2 << 30) -> bool:
     """Whether the naive layer's [T, E, C] float32 tensors (a handful of them) fit in `limit_bytes`."""
     return limit_bytes is None or 6 * 4 * tokens * experts * capacity <= limit_bytes

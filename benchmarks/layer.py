@@ -10,8 +10,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib, write_result
-from _models import LayerCase, time_case
+from _common import (add_memory, interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib,
+                     write_result)
+from _models import LayerCase, time_case, time_case_under_glibc
 
 # (T, M, H, E, k)
 SHAPES = [(4096, 512, 1024, 8, 2), (4096, 512, 256, 64, 2), (2048, 1024, 512, 32, 8)]
@@ -26,6 +27,10 @@ def measure_time(shape, dtype_name: str, reps: int) -> Dict[str, object]:
     row = time_case(LayerCase(*shape, DTYPES[dtype_name]), reps)
     row.update(dtype=dtype_name, load_before=load)
     return row
+
+
+def measure_glibc(shape, dtype_name: str, reps: int) -> Dict[str, object]:
+    return time_case_under_glibc(LayerCase(*shape, DTYPES[dtype_name]), reps)
 
 
 def measure_memory(row: Dict[str, object]) -> None:
@@ -65,18 +70,20 @@ def roofline(reps: int, smoke: bool) -> Dict[str, float]:
             "copy_gbps": 2 * source.numel() * 4 / times["copy"] / 1e9}
 
 
-COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms", "layer/ideal", "naive/layer",
-           "tokens_per_s", "layer_peak_mib", "ideal_peak_mib", "naive_peak_mib", "layer_mem/ideal_mem"]
+COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms", "layer/ideal", "layer/ideal_glibc",
+           "naive/layer", "tokens_per_s", "layer_peak_mib", "ideal_peak_mib", "naive_peak_mib", "layer_mem/ideal_mem"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
     configs = [(shape, dtype_name, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
                for dtype_name in DTYPES]
-    rows = measure_rows(configs, measure_time, COLUMNS, memory_row=measure_memory)
+    rows = measure_rows(configs, measure_time, COLUMNS, glibc_row=measure_glibc)
     profiled = SMOKE_SHAPES[0] if args.smoke else PROFILED_SHAPE
-    result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "roofline": roofline(args.reps, args.smoke),
+    timing = {"roofline": roofline(args.reps, args.smoke),
               "profile": {"shape": dict(zip("TMHEk", profiled)), "ms_per_step": profile_ops(profiled, args.reps)}}
+    add_memory(rows, measure_memory, COLUMNS)
+    result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, **timing}
     write_result(args.out, "layer", result, args.smoke)
     return result
 

@@ -5,14 +5,15 @@ count, and with the expert count E at a fixed number of routed choices T*k, agai
     python benchmarks/scaling.py            # writes benchmarks/results/scaling.json
     python benchmarks/scaling.py --smoke
 
-Plots and tables are drawn from the JSON by benchmarks/report.py.
+Plots and tables are drawn from the JSON by benchmarks/report.py.  Timed with freed memory kept for
+reuse (see _common.retain_freed_memory).
 """
 import sys
 from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import load_average, measure_rows, parse_args, write_result
+from _common import format_table, load_average, measure_rows, parse_args, write_result
 from _models import LayerCase, time_case
 
 # T sweep: E = 64 experts of the layer benchmark's 64-expert shape.
@@ -52,6 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         configs.append((expert_sweep["choices"] // top_k, expert_sweep["M"], expert_sweep["H"], experts, top_k,
                         args.reps, "experts"))
     rows = measure_rows(configs, measure, COLUMNS)
+    print(format_table(rows, COLUMNS))
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "token_sweep": token_sweep,
               "expert_sweep": expert_sweep}
     write_result(args.out, "scaling", result, args.smoke)
