@@ -224,7 +224,7 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     targets = target_rows(results)
     if targets:
         parts.append("## Targets (fp32, 2 threads)\n\n" + TARGETS_NOTE + format_table(
-            targets, ["target", "goal", "measured", "met", "glibc default malloc", "where"])))
+            targets, ["target", "goal", "measured", "met", "glibc default malloc", "where"]))
     layer = results.get("layer")
     if layer:
         budget = budget_rows(layer)
