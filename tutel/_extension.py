@@ -11,10 +11,14 @@ _HOW_TO_BUILD = (
 
 def load_extension():
     """Imports tutel._C and returns it; raises ImportError with build instructions on failure."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
     try:
         from . import _C
+        # An editable install of another checkout can resolve tutel._C to that
+        # checkout's build, whose operators need not match this Python code.
+        if os.path.dirname(os.path.abspath(_C.__file__)) != package_dir:
+            raise ImportError(f"tutel._C resolved to {_C.__file__}, outside this package ({package_dir})")
     except ImportError as error:
-        package_dir = os.path.dirname(os.path.abspath(__file__))
         built = glob.glob(os.path.join(package_dir, "_C*.so")) + glob.glob(
             os.path.join(package_dir, "_C*.pyd")
         )
