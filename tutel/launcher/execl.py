@@ -14,6 +14,8 @@ import re
 import sys
 from typing import List, Optional
 
+from tutel.launcher import exec_command
+
 NUMACTL = "/usr/bin/numactl"
 NUMA_ROOT = "/sys/devices/system/node"
 
@@ -61,10 +63,8 @@ def build_command(argv: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Replaces this process with the command of ``build_command`` (argv default: sys.argv[1:])."""
-    command = build_command(sys.argv[1:] if argv is None else argv)
-    sys.stdout.flush()
-    os.execv(command[0], command)
+    """Becomes the program of ``build_command(argv)`` (default: sys.argv[1:])."""
+    exec_command(build_command(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

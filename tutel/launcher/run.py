@@ -20,6 +20,8 @@ import os
 import sys
 from typing import List, Optional
 
+from tutel.launcher import exec_command
+
 DEFAULT_MASTER_PORT = 23232
 
 
@@ -56,10 +58,8 @@ def build_command(argv: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Replaces this process with the command of ``build_command`` (argv default: sys.argv[1:])."""
-    command = build_command(sys.argv[1:] if argv is None else argv)
-    sys.stdout.flush()
-    os.execv(command[0], command)
+    """Becomes the torchrun of ``build_command(argv)`` (default: sys.argv[1:])."""
+    exec_command(build_command(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
