@@ -26,6 +26,7 @@ need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+command -v mpiexec >/dev/null || need_apt+=(openmpi-bin)   # the mpiexec launcher tests
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "== installing ${need_apt[*]} (apt) =="
   as_root apt-get update -qq
