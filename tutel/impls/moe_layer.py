@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..ops._checks import require_finite_number, require_int
 from . import losses
 from .autocast import autocast_dtype, without_autocast
+from .call_agreement import agree_on_call
 from .communicate import get_world_size
 from .fast_dispatch import extract_critical, fast_decode, fast_encode, get_dispatch_count
 from .layer_config import (
@@ -179,7 +180,9 @@ class MOELayer(torch.nn.Module):
             top_k: None = the gate's k; else 1 <= top_k <= num_global_experts.
             a2a_ffn_overlap_degree: chunks pipelining the expert exchange with expert compute.
             reserve_dims: trailing dims forming a token.
-            inequivalent_tokens: processes may hold different token counts (capacity uses the largest).
+            inequivalent_tokens: processes may hold different token counts.  Accepted for Tutel
+                compatibility: processes always agree on the largest capacity (see
+                tutel.impls.call_agreement), so different token counts work either way.
             adaptive_r: parallelism of shared experts (0, or a divisor of the shard count).
             megablocks_size: > 0 computes each expert only over its occupied rows, in blocks of this size.
 
@@ -205,6 +208,8 @@ class MOELayer(torch.nn.Module):
             crit, l_aux = self._route(x, gate, top_k, capacity_factor, overlap, megablocks_size,
                                       inequivalent_tokens)
 
+        if self.world_size > 1:
+            crit = crit._replace(capacity=agree_on_call(self.group, x.device, crit.capacity, overlap, adaptive_r))
         self.megablocks_size = megablocks_size
         self.dispatch_count = get_dispatch_count(crit)
         self.local_dispatch_count = self.dispatch_count
