@@ -190,6 +190,31 @@ def bad_configurations_fail_clearly():
                  torch.randn(8, MODEL_DIM, dtype=torch.float64), a2a_ffn_overlap_degree=1 + rank() % 2)
 
 
+@checks.add
+def layer_on_a_subgroup_with_sharded_experts():
+    """Two independent MoE groups of 2 processes each (Tutel could not split subgroups, issue #292)."""
+    if world() != 4:
+        return
+    subgroup = net.create_groups_from_world(group_count=2).model_group  # ranks {0,1} and {2,3}
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 1, "capacity_factor": 1.0}, model_dim=MODEL_DIM,
+                          experts={"type": "ffn", "num_experts_per_device": -2, "hidden_size_per_expert": HIDDEN},
+                          seeds=(1, rank() + 1, 1), group=subgroup).double()
+    assert layer.sharded_count == 2 and layer.world_size == 2
+    outputs = {}
+    for r in layer.valid_rs:
+        torch.manual_seed(50 + rank())
+        outputs[r] = layer(torch.randn(10, MODEL_DIM, dtype=torch.float64), adaptive_r=r).detach()
+    for r in layer.valid_rs:
+        close(outputs[r], outputs[1], f"subgroup output with adaptive_r={r}")
+
+
+@checks.add
+def mismatched_layers_are_named_at_construction():
+    expect_error(ValueError, ["built different layers", "model_dim"], moe.moe_layer,
+                 gate_type={"type": "top", "k": 1}, model_dim=4 + 2 * (rank() % 2),
+                 experts={"type": "ffn", "num_experts_per_device": 1, "hidden_size_per_expert": 4})
+
+
 def run_all():
     init_gloo()
     import dist_checks
