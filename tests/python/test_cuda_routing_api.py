@@ -31,8 +31,8 @@ def test_routing_api_equals_cpu(tokens, experts, top_k, model_dim, dtype, capaci
     x = torch.randn(tokens, model_dim).to(dtype)
     results = {}
     for device in ("cpu", "cuda"):
-        s = scores.to(device).requires_grad_()
-        v = x.to(device).requires_grad_()
+        s = scores.detach().to(device).requires_grad_()
+        v = x.detach().to(device).requires_grad_()
         results[device] = run_step(s, v, top_k, capacity_factor, batch_prioritized) + (s.grad, v.grad)
     (crit, l_aux, dispatched, combined, scores_grad, x_grad) = results["cpu"]
     (g_crit, g_l_aux, g_dispatched, g_combined, g_scores_grad, g_x_grad) = results["cuda"]

@@ -61,9 +61,10 @@ void raise_data_errors(int device) {
   try {
     raise_if_failed(status, op_name(error->op));
   } catch (c10::Error& e) {
-    e.add_context("(found on cuda:" + std::to_string(device) + " by an earlier call of tutel::" +
+    // A single context line is shown in parentheses after the message.
+    e.add_context("found on cuda:" + std::to_string(device) + " by an earlier call of tutel::" +
                   op_name(error->op) + ", which treated that choice as dropped; "
-                  "tutel.cuda.check_errors() reports such errors right after a call)");
+                  "tutel.cuda.check_errors() reports such errors right after a call");
     throw;
   }
 }
