@@ -4,6 +4,8 @@ A drop-in replacement for Microsoft Tutel: ``from tutel import moe`` gives the
 same API (``moe.moe_layer``, ``moe.top_k_routing``, ``moe.fast_encode`` ...),
 backed by the compiled operators registered under ``torch.ops.tutel``.
 """
+import torch  # noqa: F401  (loads libc10 / libtorch, which tutel._C links against without an rpath)
+
 from ._version import __version__
 from ._extension import load_extension as _load_extension
 
