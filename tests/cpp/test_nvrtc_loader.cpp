@@ -4,7 +4,9 @@
 // extension uses at run time, with compiler errors reported with their log.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
