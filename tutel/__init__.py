@@ -11,4 +11,6 @@ from ._extension import load_extension as _load_extension
 
 _C = _load_extension()
 
+from . import cuda as _cuda  # noqa: E402,F401  (tells the CUDA backend where NVRTC lives)
+
 __all__ = ["__version__"]
