@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up this machine (PyTorch, GoogleTest, build tools), builds the project and
-# runs every test: the C++ core suite (ctest, also under ASan/UBSan) and the
-# Python suite (pytest).  Safe to run repeatedly; installs only what is missing.
+# runs every test: the C++ core suite (ctest, also under ASan/UBSan), the
+# DeepSpeed integration and the Python suite (pytest).  Safe to run repeatedly;
+# installs only what is missing.
 #
 #   bash tests/run_all.sh              # everything
 #   bash tests/run_all.sh -k routing   # extra arguments go to pytest
@@ -19,5 +20,12 @@ cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DTUTEL_SANITIZE=ON >/dev/null
 cmake --build build/asan -j "${MAX_JOBS}" >/dev/null
 ctest --test-dir build/asan --output-on-failure -j "${MAX_JOBS}"
 
+# A separate step with its own time budget; its verdict is given after the main
+# pytest run, which stays the last test runner of this script.
+echo "== DeepSpeed integration (tests/integration/deepspeed/run.sh) =="
+deepspeed_status=0
+timeout "${TUTEL_DEEPSPEED_STEP_TIMEOUT:-600}" bash tests/integration/deepspeed/run.sh || deepspeed_status=$?
+
 echo "== Python: pytest =="
 python3 -m pytest -q -p no:cacheprovider tests/python "$@"
+[ "$deepspeed_status" -eq 0 ] || { echo "the DeepSpeed integration step failed (exit ${deepspeed_status})" >&2; exit 1; }

@@ -22,10 +22,17 @@ if [ "${#missing[@]}" -gt 0 ]; then
   "$PYTHON" -m pip install -q "${missing[@]}"
 fi
 
+# NVRTC, so that the kernel compile tests run without a GPU or CUDA toolkit.
+if ! "$PYTHON" -m pip show -q nvidia-cuda-nvrtc >/dev/null 2>&1; then
+  echo "== installing nvidia-cuda-nvrtc =="
+  "$PYTHON" -m pip install -q "nvidia-cuda-nvrtc==13.0.*"
+fi
+
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+command -v mpiexec >/dev/null || need_apt+=(openmpi-bin)   # the mpiexec launcher tests
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "== installing ${need_apt[*]} (apt) =="
   as_root apt-get update -qq

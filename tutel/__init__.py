@@ -4,9 +4,13 @@ A drop-in replacement for Microsoft Tutel: ``from tutel import moe`` gives the
 same API (``moe.moe_layer``, ``moe.top_k_routing``, ``moe.fast_encode`` ...),
 backed by the compiled operators registered under ``torch.ops.tutel``.
 """
+import torch  # noqa: F401  (loads libc10 / libtorch, which tutel._C links against without an rpath)
+
 from ._version import __version__
 from ._extension import load_extension as _load_extension
 
 _C = _load_extension()
+
+from . import cuda as _cuda  # noqa: E402,F401  (tells the CUDA backend where NVRTC lives)
 
 __all__ = ["__version__"]

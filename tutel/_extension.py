@@ -11,10 +11,16 @@ _HOW_TO_BUILD = (
 
 def load_extension():
     """Imports tutel._C and returns it; raises ImportError with build instructions on failure."""
+    import torch  # noqa: F401  (loads libtorch / libc10, which _C links against)
+
+    package_dir = os.path.dirname(os.path.abspath(__file__))
     try:
         from . import _C
+        # An editable install of another checkout can resolve tutel._C to that
+        # checkout's build, whose operators need not match this Python code.
+        if os.path.dirname(os.path.abspath(_C.__file__)) != package_dir:
+            raise ImportError(f"tutel._C resolved to {_C.__file__}, outside this package ({package_dir})")
     except ImportError as error:
-        package_dir = os.path.dirname(os.path.abspath(__file__))
         built = glob.glob(os.path.join(package_dir, "_C*.so")) + glob.glob(
             os.path.join(package_dir, "_C*.pyd")
         )
@@ -27,4 +33,9 @@ def load_extension():
         else:
             reason = "tutel's compiled extension (tutel._C) is not built.\n"
         raise ImportError(reason + _HOW_TO_BUILD) from error
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    if os.path.dirname(os.path.abspath(_C.__file__)) != package_dir:
+        # An import hook (e.g. an editable install of another checkout) supplied another copy's binary.
+        raise ImportError(f"tutel's compiled extension (tutel._C) is not built.\n(the one found at {_C.__file__} "
+                          f"belongs to another copy of tutel)\n" + _HOW_TO_BUILD)
     return _C

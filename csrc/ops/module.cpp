@@ -2,10 +2,21 @@
 // registrations of every ops/ file linked into it.
 #include <torch/extension.h>
 
+#ifdef TUTEL_WITH_CUDA
+namespace tutel {
+namespace ops {
+namespace cuda_ops {
+void register_python_functions(pybind11::module_& m);  // ops/cuda/python_functions.cpp
+}  // namespace cuda_ops
+}  // namespace ops
+}  // namespace tutel
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tutel compiled operators (registered under torch.ops.tutel)";
 #ifdef TUTEL_WITH_CUDA
   m.attr("with_cuda") = true;
+  tutel::ops::cuda_ops::register_python_functions(m);
 #else
   m.attr("with_cuda") = false;
 #endif

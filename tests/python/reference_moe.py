@@ -21,11 +21,12 @@ def ffn_expert(params, e, h, activation):
 
 
 def moe_forward(x, logits, expert_fn, top_k, capacity_factor, *, normalize_gate=True, is_postscore=True,
-                batch_prioritized=False, alignment=1, loss="gshard", route_with=None):
+                batch_prioritized=False, alignment=1, loss="gshard", route_with=None, agree_capacity=None):
     """x [T, M] float64, logits [T, E] float64 (differentiable), expert_fn(e, h [M]) -> [O].
 
     `route_with` (optional [T, E] logits) makes the top-k choices and slot order come from these
     logits instead: low-precision layers are compared on their own routing decisions.
+    `agree_capacity(local_capacity) -> capacity` lets distributed tests apply the processes' agreement.
 
     Returns (output [T, O], l_aux, capacity, kept mask [T, k])."""
     tokens, experts = logits.shape
@@ -38,6 +39,8 @@ def moe_forward(x, logits, expert_fn, top_k, capacity_factor, *, normalize_gate=
     priority = route_scores.gather(1, ids[:, :1]).squeeze(1) if batch_prioritized else None
     locations, counts = reference.gshard_locations(ids, experts, priority)
     capacity = reference.capacity(capacity_factor, top_k, tokens, experts, counts.sum(0).tolist(), alignment)
+    if agree_capacity is not None:
+        capacity = agree_capacity(capacity)
     kept = locations < capacity
 
     rows = []

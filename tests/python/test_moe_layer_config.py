@@ -219,3 +219,11 @@ def test_custom_gate_with_wrong_logits_shape():
     layer = moe.moe_layer(gate_type={"type": "custom", "module": BadGate}, model_dim=8, experts=ffn(2))
     with pytest.raises(ValueError, match="expected \\[tokens, num_global_experts\\]"):
         layer(torch.randn(4, 8))
+
+
+def test_overlap_degree_beyond_the_capacity():
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, experts=ffn(4))
+    with pytest.raises(ValueError, match="a2a_ffn_overlap_degree=8 exceeds this call's capacity of 2"):
+        layer(torch.randn(8, 8), a2a_ffn_overlap_degree=8)
+    assert layer(torch.randn(8, 8), a2a_ffn_overlap_degree=2).shape == (8, 8)
+    assert layer(torch.randn(0, 8), a2a_ffn_overlap_degree=8).shape == (0, 8)  # empty batch: nothing to split

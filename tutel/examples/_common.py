@@ -91,7 +91,7 @@ def train_steps(num_steps: int, step: Callable[[int], torch.Tensor], record_time
         loss = step(i)
         stop = record_time()
         times.add(stop - start)
-        print_step(i, float(loss), stop - start)
+        print_step(i, float(loss.detach()), stop - start)
     return times
 
 

@@ -33,20 +33,24 @@ def parse_args(argv=None):
 
 
 class ExampleModel(torch.nn.Module):
-    def __init__(self, args, rank: int, dist_print):
+    """moe_layer -> sum over features -> log_softmax over tokens.  Flags missing from `args` take
+    helloworld's defaults (the DDP variants share this model)."""
+
+    def __init__(self, args, rank: int, dist_print, mark_experts: bool = True):
         super().__init__()
-        self.megablocks_size = args.megablocks_size
+        option = lambda name, default: getattr(args, name, default)
+        self.megablocks_size = option("megablocks_size", 0)
         self._moe_layer = tutel_moe.moe_layer(
-            gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate,
-                       "capacity_factor": args.capacity_factor},
-            experts={"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
+            gate_type={"type": "top", "k": args.top, "fp32_gate": option("fp32_gate", False),
+                       "capacity_factor": option("capacity_factor", 1.0)},
+            experts={"type": option("expert_type", "ffn"), "num_experts_per_device": args.num_local_experts,
                      "hidden_size_per_expert": args.hidden_size, "activation_fn": lambda x: F.relu(x)},
             model_dim=args.model_dim,
-            scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
+            scan_expert_func=(lambda name, param: setattr(param, "skip_allreduce", True)) if mark_experts else None,
             seeds=(1, rank + 1, 1),
             a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
-            use_2dh=args.use_2dh,
-            parallel_type=args.parallel_type,
+            use_2dh=option("use_2dh", False),
+            parallel_type=option("parallel_type", "adaptive:1"),
         )
         local_count = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="local_experts"))
         shared_count = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="gate"))

@@ -15,6 +15,10 @@ class LlamaFFNNetwork(torch.nn.Module):
     ``W_fc3`` of full shape [L, H, model_dim], each stored as a flat 1-D shard of
     ceil(numel / S) elements (S = sharded_count processes share the experts; with S = 1 the
     shard is the whole tensor).  Initialised N(0, 0.01).
+
+    Shared experts (S > 1) are gathered whole on each of their processes for every call, so
+    with adaptive_r = r > 1 the r replicas of a token each compute the full output (and are
+    averaged); adaptive_r = 1 does the least work for these experts.
     """
 
     def __init__(self, model_dim: int, hidden_size_per_expert: int, num_experts_per_device: int,
@@ -58,6 +62,11 @@ class LlamaFFNNetwork(torch.nn.Module):
             y = grouped_apply(features, rows, lambda packed, group_rows: self._swiglu(packed, ctx, group_rows))
         else:
             y = self._swiglu(features, ctx)
+        replicas = getattr(ctx, "adaptive_degree", 1)
+        if getattr(ctx, "world_size", 1) > 1 and self.sharded_count > 1 and replicas > 1:
+            # These experts gather the whole expert instead of splitting the hidden dim, so each of
+            # the r replicas of a token computes the full output; the layer sums the replicas.
+            y = y / replicas
         return y.view(x.shape) if x.dim() > 3 else y
 
     def forward_grouped(self, x: torch.Tensor, group_rows, ctx) -> torch.Tensor:

@@ -1,42 +1,79 @@
-"""Minimal process-group queries and reductions used by routing.
+"""Everything distributed, in one namespace (Tutel's ``tutel.impls.communicate``).
 
-Every function works without torch.distributed being initialised (world of 1).
+The implementations live in small modules beside this one:
+
+* process_groups: world queries, rendezvous, ``create_groups_from_world``;
+* simple_collectives: the ``simple_*`` collectives (no autograd);
+* exchange: the flat and 2D-hierarchical all-to-all exchange;
+* autograd_collectives: ``all_to_all``, ``all_gather``, ``zero_gather`` ...;
+* variable_collectives: ``batch_all_to_all_v``, ``batch_all_gather_v``;
+* distributed_optimizer: ``TutelDistributedOptimizer``.
+
+Every function works without torch.distributed being initialised (a world of
+one process).
 """
-from typing import Optional
+from .autograd_collectives import (
+    all_gather,
+    all_to_all,
+    all_to_all_single,
+    allreduce_backward,
+    allreduce_forward,
+    reduce_scatter,
+    spatial_split,
+    zero_gather,
+    zero_scatter,
+)
+from .distributed_optimizer import TutelDistributedOptimizer, is_expert_param
+from .process_groups import (
+    ParallelEnv,
+    barrier,
+    create_groups_from_world,
+    create_standalone_group,
+    get_world_rank,
+    get_world_size,
+    global_timeout,
+    group_ranks,
+    is_distributed,
+)
+from .simple_collectives import (
+    CollectiveError,
+    all_reduce_max_int,
+    simple_all_gather,
+    simple_all_reduce,
+    simple_all_to_all,
+    simple_reduce_scatter,
+    simple_split,
+)
+from .variable_collectives import batch_all_gather_v, batch_all_to_all_v
 
-import torch
-import torch.distributed as dist
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_world_size(group: Optional["dist.ProcessGroup"] = None) -> int:
-    """Size of `group` (default: WORLD); 1 when torch.distributed is not initialised."""
-    return dist.get_world_size(group) if is_distributed() else 1
-
-
-def get_world_rank(group: Optional["dist.ProcessGroup"] = None) -> int:
-    """This process's rank in `group` (default: WORLD); 0 when not initialised."""
-    return dist.get_rank(group) if is_distributed() else 0
-
-
-def simple_all_reduce(input: torch.Tensor, group: Optional["dist.ProcessGroup"] = None,
-                      op=None, inplace: bool = False) -> torch.Tensor:
-    """All-reduce without autograd; returns a new tensor unless `inplace`."""
-    op = dist.ReduceOp.SUM if op is None else op
-    output = input if inplace else input.clone()
-    if get_world_size(group) > 1:
-        dist.all_reduce(output, op=op, group=group)
-    return output
-
-
-def all_reduce_max_int(value: int, device: torch.device,
-                       group: Optional["dist.ProcessGroup"] = None) -> int:
-    """The maximum of a host integer over `group` (one small collective when distributed)."""
-    if get_world_size(group) == 1:
-        return int(value)
-    tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return int(tensor.item())
+__all__ = [
+    "CollectiveError",
+    "ParallelEnv",
+    "TutelDistributedOptimizer",
+    "all_gather",
+    "all_reduce_max_int",
+    "all_to_all",
+    "all_to_all_single",
+    "allreduce_backward",
+    "allreduce_forward",
+    "barrier",
+    "batch_all_gather_v",
+    "batch_all_to_all_v",
+    "create_groups_from_world",
+    "create_standalone_group",
+    "get_world_rank",
+    "get_world_size",
+    "global_timeout",
+    "group_ranks",
+    "is_distributed",
+    "is_expert_param",
+    "reduce_scatter",
+    "simple_all_gather",
+    "simple_all_reduce",
+    "simple_all_to_all",
+    "simple_reduce_scatter",
+    "simple_split",
+    "spatial_split",
+    "zero_gather",
+    "zero_scatter",
+]

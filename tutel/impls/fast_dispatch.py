@@ -26,6 +26,12 @@ from .communicate import all_reduce_max_int, get_world_rank
 
 logger = logging.getLogger("tutel")
 
+# Tutel's dispatch kernels skip a choice whose expert index is negative, and
+# DeepSpeed's gates mark the tokens they drop that way (index -1, location 0,
+# gate 0).  The operators know one "dropped" marker only, location >= capacity,
+# so such a choice is moved to expert 0 at a location no capacity reaches.
+_UNREACHABLE_LOCATION = torch.iinfo(torch.int32).max
+
 
 class CriticalData(NamedTuple):
     """Routing metadata of one MoE call; unpacks and indexes like Tutel's crit tuple."""
@@ -106,6 +112,22 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
     return crit, l_aux
 
 
+def tutel_slot_table(indices_, locations_, where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int32 [k, T] (indices, locations) from Tutel-style lists of k [T] tensors (or [k, T] tensors).
+
+    A negative expert index marks a choice that is not dispatched (as in Tutel);
+    it reads and writes nothing and gets no gate gradient, like a choice whose
+    location is >= capacity.
+    """
+    indices = as_slot_tensor(indices_, "indices_", where)
+    locations = as_slot_tensor(locations_, "locations_", where)
+    if indices.shape != locations.shape:
+        raise ValueError(f"{where}: `indices_` and `locations_` must describe the same [k, tokens] choices, "
+                         f"got shapes {tuple(indices.shape)} and {tuple(locations.shape)}")
+    not_dispatched = indices < 0
+    return indices.clamp(min=0), torch.where(not_dispatched, _UNREACHABLE_LOCATION, locations)
+
+
 def get_dispatch_count(critical_data) -> torch.Tensor:
     """Per-expert routed-choice counts of a crit tuple (before capacity truncation)."""
     return critical_data[-1]
@@ -117,8 +139,9 @@ def fast_encode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
     With ``is_postscore=False`` the gates are applied here; otherwise at decode.
     """
     num_experts, indices_s, locations_s, gates_s, capacity = critical_data[:5]
+    indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_encode")
     data = data.reshape(-1, data.shape[-1]) if data.dim() > 2 else data
-    return ops.encode(data, indices_s, locations_s, num_experts, capacity,
+    return ops.encode(data, indices, locations, num_experts, capacity,
                       gates=None if is_postscore else gates_s)
 
 
@@ -128,7 +151,8 @@ def fast_decode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
     With ``is_postscore=True`` (default) the gates weight the expert outputs here.
     """
     num_experts, indices_s, locations_s, gates_s = critical_data[:4]
-    return ops.decode(_as_expert_buffer(data, num_experts, "tutel.moe.fast_decode"), indices_s, locations_s,
+    indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_decode")
+    return ops.decode(_as_expert_buffer(data, num_experts, "tutel.moe.fast_decode"), indices, locations,
                       gates=gates_s if is_postscore else None)
 
 
@@ -162,10 +186,13 @@ class TutelMoeFastDispatcher:
         self.is_postscore = True
 
     def update(self, indices_, locations_, gates_, capacity=None, is_postscore: bool = True) -> None:
-        """Sets the routing: lists of k [T] tensors (or [k, T] tensors) of expert ids, slots and gates."""
+        """Sets the routing: lists of k [T] tensors (or [k, T] tensors) of expert ids, slots and gates.
+
+        A negative expert id marks a choice that is not dispatched (DeepSpeed passes -1
+        for the tokens its gate drops).  ``capacity`` may be an int or a 0-d tensor.
+        """
         where = "tutel.moe.fast_dispatcher.update"
-        self.indices_ = as_slot_tensor(indices_, "indices_", where)
-        self.locations_ = as_slot_tensor(locations_, "locations_", where)
+        self.indices_, self.locations_ = tutel_slot_table(indices_, locations_, where)
         self.gates_ = stack_choices(gates_, "gates_", where)
         if capacity is not None:
             capacity = require_int(capacity, "capacity", where, minimum=0)

@@ -12,6 +12,9 @@ from ..experts._grouped import run_grouped_experts, supports_grouped
 from ..ops._checks import require_finite_number, require_int
 from . import losses
 from .autocast import autocast_dtype, without_autocast
+from .capacity import expert_capacity
+from .call_agreement import agree_on_call
+from .config_agreement import check_same_configuration
 from .communicate import get_world_size
 from .fast_dispatch import extract_critical, fast_decode, fast_encode, get_dispatch_count
 from .layer_config import (
@@ -124,6 +127,8 @@ class MOELayer(torch.nn.Module):
         self.gates = torch.nn.ModuleList(built_gates)
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
+        if self.world_size > 1:
+            check_same_configuration(self)
 
     # ------------------------------------------------------------------ Tutel API helpers
 
@@ -180,7 +185,9 @@ class MOELayer(torch.nn.Module):
             top_k: None = the gate's k; else 1 <= top_k <= num_global_experts.
             a2a_ffn_overlap_degree: chunks pipelining the expert exchange with expert compute.
             reserve_dims: trailing dims forming a token.
-            inequivalent_tokens: processes may hold different token counts (capacity uses the largest).
+            inequivalent_tokens: processes may hold different token counts.  Accepted for Tutel
+                compatibility: processes always agree on the largest capacity (see
+                tutel.impls.call_agreement), so different token counts work either way.
             adaptive_r: parallelism of shared experts (0, or a divisor of the shard count).
             megablocks_size: > 0 computes each expert only over its occupied rows, in blocks of this size.
 
@@ -206,6 +213,8 @@ class MOELayer(torch.nn.Module):
             crit, l_aux = self._route(x, gate, top_k, capacity_factor, overlap, megablocks_size,
                                       inequivalent_tokens)
 
+        if self.world_size > 1:
+            crit = crit._replace(capacity=agree_on_call(self.group, x.device, crit.capacity, overlap, adaptive_r))
         self.megablocks_size = megablocks_size
         self.dispatch_count = get_dispatch_count(crit)
         self.local_dispatch_count = self.dispatch_count
@@ -266,6 +275,13 @@ class MOELayer(torch.nn.Module):
             if adaptive_r not in self.valid_rs:
                 raise ValueError(f"{where}: adaptive_r={adaptive_r} is not valid for {self.sharded_count} "
                                  f"process(es) per expert; allowed: {self.valid_rs}")
+        if overlap > 1 and capacity_factor > 0:
+            tokens = input.numel() // self.model_dim
+            static_capacity = expert_capacity(capacity_factor, top_k, tokens, num_experts)
+            if 0 < static_capacity < overlap:
+                raise ValueError(f"{where}: a2a_ffn_overlap_degree={overlap} exceeds this call's capacity of "
+                                 f"{static_capacity} slots per expert: the extra chunks would hold only padding; "
+                                 f"allowed: 1 <= a2a_ffn_overlap_degree <= {static_capacity}")
         megablocks_size = require_int(megablocks_size, "megablocks_size", where, minimum=0)
         if megablocks_size > 0 and self.world_size > 1:
             megablocks_size = 0  # the grouped path needs every expert's load on this process

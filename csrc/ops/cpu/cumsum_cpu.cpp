@@ -3,7 +3,7 @@
 #include <torch/library.h>
 
 #include "../../core/cumsum.h"
-#include "../checks.h"
+#include "../op_args.h"
 
 namespace tutel {
 namespace ops {
@@ -18,10 +18,8 @@ at::Tensor cumsum_sub_one_cpu(const at::Tensor& mask_in) {
   const char* op = "cumsum_sub_one";
   check_dim(mask_in, 2, op, "mask");
   const at::Tensor mask = mask_in.contiguous();
-  // Same result dtype as torch.cumsum: integers and bool accumulate in int64.
   const auto dtype = mask.scalar_type();
-  const bool floating = dtype == at::kFloat || dtype == at::kDouble;
-  at::Tensor out = at::empty(mask.sizes(), mask.options().dtype(floating ? dtype : at::kLong));
+  at::Tensor out = at::empty(mask.sizes(), mask.options().dtype(cumsum_output_dtype(dtype)));
   switch (dtype) {
     case at::kBool: run<bool, int64_t>(mask, out); break;
     case at::kByte: run<uint8_t, int64_t>(mask, out); break;
@@ -30,10 +28,7 @@ at::Tensor cumsum_sub_one_cpu(const at::Tensor& mask_in) {
     case at::kInt: run<int32_t, int64_t>(mask, out); break;
     case at::kLong: run<int64_t, int64_t>(mask, out); break;
     case at::kFloat: run<float, float>(mask, out); break;
-    case at::kDouble: run<double, double>(mask, out); break;
-    default:
-      TORCH_CHECK_TYPE(false, "tutel::", op, ": `mask` must be bool, an integer type, float32 "
-                       "or float64, got ", dtype);
+    default: run<double, double>(mask, out); break;  // cumsum_output_dtype allowed nothing else
   }
   return out;
 }

@@ -1,0 +1,43 @@
+/* What the CUDA kernels (the .cu files here, compiled by NVRTC at run time) and the
+ * host code that launches them (csrc/cuda, csrc/ops/cuda) must agree on.
+ * Plain C, read by both compilers. */
+#ifndef TUTEL_KERNEL_ABI_H
+#define TUTEL_KERNEL_ABI_H
+
+/* Every tutel kernel runs with blocks of this many threads. */
+#define TUTEL_BLOCK_THREADS 256
+
+/* The operator that found a data error. */
+#define TUTEL_OP_GATHER_SLOTS 1
+#define TUTEL_OP_SCATTER_SLOTS 2
+#define TUTEL_OP_ASSIGN_LOCATIONS 3
+
+/* What was wrong with the entry (one bit of the key below; an entry with both
+ * problems reports its expert index, as the CPU kernels do). */
+#define TUTEL_ERROR_EXPERT_INDEX 0
+#define TUTEL_ERROR_NEGATIVE_LOCATION 1
+
+/* The first data error found on one device since it was last read (device
+ * memory).  Only the first launch that fails (the one whose call_id it holds)
+ * records, and among its bad entries the smallest key wins:
+ *     key = (entry << 33) | (code << 32) | (uint32) value,  entry = choice * tokens + token,
+ * so the report names the lowest (choice, token), as the CPU kernels do
+ * (entry < 2^31: the host allows at most 2^31 - 1 choices per launch).
+ * The empty record is {0, ~0ull, 0, 0}. */
+struct TutelErrorRecord {
+  unsigned long long call_id;
+  unsigned long long key;
+  long long tokens;
+  long long op;
+};
+
+/* Where a launch reports data errors: the device record, a flag in mapped host
+ * memory that the host polls without synchronising, and the launch's id.
+ * record == 0 turns reporting off (inputs the host produced itself). */
+struct TutelErrorSink {
+  struct TutelErrorRecord* record;
+  unsigned int* flag;
+  unsigned long long call_id;
+};
+
+#endif /* TUTEL_KERNEL_ABI_H */

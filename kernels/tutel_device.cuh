@@ -1,0 +1,146 @@
+// Device building blocks shared by tutel's kernels.
+//
+// NVRTC provides the CUDA built-ins (threadIdx, __shfl_*_sync, atomics, ...),
+// so nothing here includes a CUDA header: compiling needs no include path.
+//
+// A source that works on floating-point data is compiled once per element type,
+// selected with one of -DTUTEL_DTYPE_FLOAT32, _FLOAT64, _FLOAT16, _BFLOAT16:
+//   storage_t  the bits in memory (16-bit types are raw unsigned shorts);
+//   acc_t      the type arithmetic happens in: float for 16-bit data, so
+//              bf16/fp16 accumulate in float32, and float64 stays float64.
+// Kernels are compiled with --fmad=false: a * b + c rounds twice, exactly like
+// the CPU kernels, so data movement and weighted sums match them bit for bit.
+#pragma once
+
+#include "kernel_abi.h"
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+#if defined(TUTEL_DTYPE_FLOAT32) || defined(TUTEL_DTYPE_FLOAT64)
+#if defined(TUTEL_DTYPE_FLOAT32)
+typedef float storage_t;
+#else
+typedef double storage_t;
+#endif
+typedef storage_t acc_t;
+__device__ __forceinline__ acc_t to_acc(storage_t v) { return v; }
+__device__ __forceinline__ storage_t from_acc(acc_t v) { return v; }
+#define TUTEL_HAS_DTYPE 1
+
+#elif defined(TUTEL_DTYPE_FLOAT16)
+typedef unsigned short storage_t;
+typedef float acc_t;
+// The hardware conversions: exact widening, and IEEE round-to-nearest-even
+// narrowing with overflow to infinity and gradual underflow.
+__device__ __forceinline__ acc_t to_acc(storage_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+}
+__device__ __forceinline__ storage_t from_acc(acc_t v) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+#define TUTEL_HAS_DTYPE 1
+
+#elif defined(TUTEL_DTYPE_BFLOAT16)
+typedef unsigned short storage_t;
+typedef float acc_t;
+__device__ __forceinline__ acc_t to_acc(storage_t v) { return __uint_as_float((unsigned)v << 16); }
+// Round to nearest, ties to even; NaN becomes the quiet NaN 0x7fc0.  Written
+// with integer operations so every architecture rounds the same way.
+__device__ __forceinline__ storage_t from_acc(acc_t v) {
+  const unsigned bits = __float_as_uint(v);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (storage_t)0x7fc0u;
+  return (storage_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#define TUTEL_HAS_DTYPE 1
+#endif
+
+#ifdef TUTEL_HAS_DTYPE
+// N consecutive elements, aligned so that one load or store moves them all
+// (N * sizeof(storage_t) == 16 gives 16-byte vector accesses).
+template <int N>
+struct alignas(sizeof(storage_t) * N) Pack {
+  storage_t v[N];
+};
+
+// Elements per 16-byte access.
+#define TUTEL_VECTOR_WIDTH ((int)(16 / sizeof(storage_t)))
+#endif
+
+// Lanes of the calling thread's group when a warp is split into groups of
+// `group` (a power of two <= 32) consecutive lanes.
+__device__ __forceinline__ unsigned group_lane_mask(int group) {
+  if (group >= 32) return 0xffffffffu;
+  const unsigned first_lane = (threadIdx.x & 31u) & ~(unsigned)(group - 1);
+  return ((1u << group) - 1u) << first_lane;
+}
+
+// Sum over a group of lanes (see group_lane_mask).  The butterfly order is
+// fixed, so results do not vary from run to run; lane 0 of the group is the
+// one that writes it.
+template <class A>
+__device__ __forceinline__ A group_sum(A value, int group, unsigned mask) {
+  for (int offset = group >> 1; offset > 0; offset >>= 1)
+    value += __shfl_xor_sync(mask, value, offset, group);
+  return value;
+}
+
+// Sum over a whole block of TUTEL_BLOCK_THREADS threads, returned to thread 0.
+// Every thread of the block must call it (it synchronises).
+template <class A>
+__device__ A block_sum(A value) {
+  __shared__ A warp_sums[TUTEL_BLOCK_THREADS / 32];
+  value = group_sum(value, 32, 0xffffffffu);
+  if ((threadIdx.x & 31u) == 0) warp_sums[threadIdx.x >> 5] = value;
+  __syncthreads();
+  A total = A(0);
+  if (threadIdx.x == 0)
+    for (int w = 0; w < TUTEL_BLOCK_THREADS / 32; ++w) total += warp_sums[w];
+  __syncthreads();
+  return total;
+}
+
+// In-place exclusive prefix sum of `count` values spaced `stride` apart,
+// computed by one whole warp and starting from `start`.  Returns start plus the
+// sum of all the values.  Used to turn per-chunk counts into starting offsets.
+template <class T>
+__device__ T warp_exclusive_scan_strided(T* values, i64 count, i64 stride, T start) {
+  const unsigned lane = threadIdx.x & 31u;
+  T running = start;
+  for (i64 base = 0; base < count; base += 32) {
+    const i64 at = base + lane;
+    const T value = at < count ? values[at * stride] : T(0);
+    T inclusive = value;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const T neighbour = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= (unsigned)offset) inclusive += neighbour;
+    }
+    T exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+    if (lane == 0) exclusive = T(0);
+    if (at < count) values[at * stride] = running + exclusive;
+    running += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+  return running;
+}
+
+// Records a bad (choice, token) entry: see TutelErrorRecord in kernel_abi.h.
+// The bad entry itself is then treated as dropped by the caller, so no memory
+// outside the tensors is ever touched.
+__device__ void report_data_error(TutelErrorSink sink, int op, i64 tokens, i64 entry, int code,
+                                  int value) {
+  if (sink.record == 0) return;
+  const u64 owner = atomicCAS(&sink.record->call_id, 0ull, sink.call_id);
+  if (owner == 0ull || owner == sink.call_id) {
+    // Every thread of the owning launch writes the same two values.
+    sink.record->tokens = tokens;
+    sink.record->op = op;
+    const u64 key = ((u64)entry << 33) | ((u64)code << 32) | (u64)(unsigned)value;
+    atomicMin(&sink.record->key, key);
+  }
+  __threadfence_system();
+  *(volatile unsigned int*)sink.flag = 1u;
+}

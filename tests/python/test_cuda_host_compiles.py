@@ -1,0 +1,101 @@
+"""The CUDA backend's host code compiles on a machine without a GPU (syntax
+only, with the CUDA headers), and its own declarations of the driver and NVRTC
+APIs match NVIDIA's headers (tests/abi/cuda_abi_check.cpp)."""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch.utils import cpp_extension
+
+from tutel.cuda_libraries import cuda_include_dirs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cuda"))
+import embed_kernels  # noqa: E402
+
+COMPILER = shutil.which(os.environ.get("CXX", "g++"))
+
+
+def header_dir(name):
+    """The first CUDA include directory that has `name`."""
+    for directory in cuda_include_dirs():
+        if os.path.isfile(os.path.join(directory, name)):
+            return directory
+    return None
+
+
+CUDA_INCLUDE = header_dir("cuda.h")
+NVRTC_INCLUDE = header_dir("nvrtc.h")
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++) found")
+needs_cuda_headers = pytest.mark.skipif(CUDA_INCLUDE is None, reason="CUDA headers (cuda.h) not found; set CUDA_HOME")
+
+
+def syntax_check(source, extra_flags, include_dirs):
+    """(source, return code, messages); the framework-free code must be C++17."""
+    command = [COMPILER, "-std=c++17", "-fsyntax-only", *extra_flags, f"-I{os.path.join(ROOT, 'csrc')}"]
+    command += [f"-I{path}" for path in include_dirs] + [source]
+    result = subprocess.run(command, capture_output=True, text=True)
+    return source, result.returncode, result.stderr
+
+
+def run_all(jobs):
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda job: syntax_check(*job), jobs))
+    failures = [f"{source}:\n{stderr}" for source, code, stderr in results if code != 0 or "warning" in stderr]
+    assert not failures, "\n".join(failures)
+
+
+def test_framework_free_host_code_compiles_cleanly():
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+    assert len(sources) >= 7
+    run_all([(source, ["-Wall", "-Wextra"], []) for source in sources])
+
+
+@needs_cuda_headers
+def test_abi_declarations_match_the_cuda_headers():
+    if NVRTC_INCLUDE is None:
+        pytest.skip("nvrtc.h not found (pip install nvidia-cuda-nvrtc, or set CUDA_HOME)")
+    run_all([(os.path.join(ROOT, "tests", "abi", "cuda_abi_check.cpp"), ["-Wall"],
+              [CUDA_INCLUDE, NVRTC_INCLUDE])])
+
+
+@needs_cuda_headers
+def test_operator_code_and_embedded_kernels_compile(tmp_path):
+    generated = tmp_path / "kernel_sources.cpp"
+    embed_kernels.write_if_changed(os.path.join(ROOT, "kernels"), str(generated))
+    include_dirs = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], CUDA_INCLUDE]
+    # CPU builds of PyTorch ship c10/cuda without the header their CUDA builds
+    # generate; stand in for it so the CUDA headers can be read.
+    generated_macros = os.path.join("c10", "cuda", "impl", "cuda_cmake_macros.h")
+    if not any(os.path.isfile(os.path.join(path, generated_macros)) for path in include_dirs):
+        stub = tmp_path / "stub" / generated_macros
+        stub.parent.mkdir(parents=True)
+        stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        include_dirs.append(str(tmp_path / "stub"))
+    # Recent PyTorch headers need C++20 (the standard cpp_extension builds with).
+    flags = ["-std=c++20", "-Wall", "-DTUTEL_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
+             "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "ops", "cuda", "*.cpp")))
+    sources += [os.path.join(ROOT, "csrc", "ops", "module.cpp"), str(generated)]
+    run_all([(source, flags, include_dirs) for source in sources])
+
+
+def test_embedded_file_table_lists_every_kernel_file(tmp_path):
+    text = embed_kernels.render(os.path.join(ROOT, "kernels"))
+    names = embed_kernels.kernel_file_names(os.path.join(ROOT, "kernels"))
+    assert {"dispatch.cu", "routing_topk.cu", "slot_assignment.cu", "cumsum.cu", "tutel_device.cuh",
+            "kernel_abi.h", "nvrtc_options.txt"} <= set(names)
+    for name in names:
+        assert f'{{"{name}", ' in text
+    assert f"kEmbeddedKernelFileCount = {len(names)};" in text
+    # Regenerating identical content leaves the file (and so the build) alone.
+    output = tmp_path / "sources.cpp"
+    embed_kernels.write_if_changed(os.path.join(ROOT, "kernels"), str(output))
+    before = output.stat().st_mtime_ns
+    embed_kernels.write_if_changed(os.path.join(ROOT, "kernels"), str(output))
+    assert output.stat().st_mtime_ns == before

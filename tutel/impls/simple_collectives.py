@@ -1,0 +1,215 @@
+"""Collectives without autograd (Tutel's ``simple_*`` helpers), on any process group.
+
+Conventions: tensors are split and gathered along dim 0 in group-rank order;
+with one process every function returns its input (``simple_all_reduce``
+returns a copy unless ``inplace``).  Every collective runs on gloo (CPU
+tensors) and NCCL (CUDA tensors).  A failure of a peer (exit, crash, or not
+reaching the collective within ``TUTEL_GLOBAL_TIMEOUT_SEC``) raises
+``CollectiveError`` naming the collective.
+"""
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .process_groups import TIMEOUT_ENV, get_world_rank, get_world_size, global_timeout
+
+SKIP_A2A_ENV = "SKIP_A2A"
+
+# Single-tensor all-gather / reduce-scatter under their current names (older PyTorch: the *_tensor names).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer exited or crashed, disagreed on the tensor sizes, or timed out."""
+
+
+@contextlib.contextmanager
+def collective_errors(where: str, group: Optional[Any]) -> Iterator[None]:
+    """Re-raises a failed collective as CollectiveError with the group size and the timeout."""
+    size = get_world_size(group)
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        raise CollectiveError(
+            f"{where}: the collective over a group of {size} processes failed (a peer process exited or crashed, "
+            f"passed tensors of other sizes, or did not reach this collective within "
+            f"{TIMEOUT_ENV}={global_timeout().total_seconds():g} s): {error}") from error
+
+
+def waiter(work: Any, where: str, group: Optional[Any]) -> Callable[..., None]:
+    """A function that waits for an asynchronous collective (with CollectiveError on failure)."""
+    def wait(*unused: Any) -> None:
+        with collective_errors(where, group):
+            work.wait()
+    return wait
+
+
+def _no_wait(*unused: Any) -> None:
+    return None
+
+
+def require_tensor(value: Any, name: str, where: str, min_dim: int = 0) -> torch.Tensor:
+    """Returns ``value`` if it is a tensor of at least ``min_dim`` dims, else raises naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{where}: `{name}` must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+    return value
+
+
+def require_divisible_dim0(input: torch.Tensor, world_size: int, where: str) -> None:
+    """Raises ValueError unless ``input`` has a dim 0 divisible by ``world_size``."""
+    require_tensor(input, "input", where, min_dim=1)
+    if input.size(0) % world_size != 0:
+        raise ValueError(f"{where}: dim 0 of `input` (shape {tuple(input.shape)}) has length {input.size(0)}, "
+                         f"which is not divisible by the group size {world_size}")
+
+
+def reduce_op(op: Any, where: str) -> Any:
+    """Validates a torch.distributed.ReduceOp (None means SUM)."""
+    if op is None:
+        return dist.ReduceOp.SUM
+    if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        raise TypeError(f"{where}: `op` must be a torch.distributed.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG, BAND, "
+                        f"BOR, BXOR), got {op!r}")
+    return op
+
+
+def skip_all_to_all() -> bool:
+    """True when env SKIP_A2A > 0: all-to-all becomes the identity (for profiling the rest)."""
+    raw = os.environ.get(SKIP_A2A_ENV, "0").strip() or "0"
+    try:
+        return int(raw) > 0
+    except ValueError:
+        raise ValueError(f"{SKIP_A2A_ENV}={raw!r} is not valid; allowed: an integer (> 0 skips all-to-all)") from None
+
+
+def simple_all_reduce(input: torch.Tensor, group: Optional[Any] = None, op: Any = None,
+                      inplace: bool = False) -> torch.Tensor:
+    """All-reduce with ``op`` (default SUM) over ``group``; returns a new tensor unless ``inplace``."""
+    where = "tutel.net.simple_all_reduce"
+    require_tensor(input, "input", where)
+    op = reduce_op(op, where)
+    if inplace and input.is_contiguous():
+        output = input
+    else:
+        output = torch.clone(input, memory_format=torch.contiguous_format)
+    if get_world_size(group) > 1:
+        with collective_errors(where, group):
+            dist.all_reduce(output, op=op, group=group)
+    if inplace and output is not input:
+        input.copy_(output)
+        return input
+    return output
+
+
+def simple_all_to_all(input: torch.Tensor, group: Optional[Any] = None, background: bool = False
+                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, Callable[..., None]]]:
+    """All-to-all of equal chunks along dim 0: chunk i goes to rank i, received chunks in rank order.
+
+    With ``background=True`` returns ``(output, wait_fn)``: the collective runs
+    asynchronously and ``output`` is valid once ``wait_fn()`` returned.
+    Bypassed (identity) when env ``SKIP_A2A`` > 0.
+    """
+    where = "tutel.net.simple_all_to_all"
+    world_size = get_world_size(group)
+    require_divisible_dim0(input, world_size, where)
+    input = input.contiguous()
+    if world_size == 1 or skip_all_to_all():
+        return (input, _no_wait) if background else input
+    output = torch.empty_like(input)
+    with collective_errors(where, group):
+        work = dist.all_to_all_single(output, input, group=group, async_op=background)
+    if background:
+        return output, waiter(work, where, group)
+    return output
+
+
+def simple_split(input: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """This rank's equal chunk of ``input`` along dim 0 (no communication)."""
+    world_size = get_world_size(group)
+    if world_size == 1:
+        return input
+    require_divisible_dim0(input, world_size, "tutel.net.simple_split")
+    chunk = input.size(0) // world_size
+    return input.contiguous().narrow(0, get_world_rank(group) * chunk, chunk)
+
+
+def _reduce_received(stacked: torch.Tensor, op: Any, where: str) -> torch.Tensor:
+    """Reduces the [W, ...] chunks received from every rank with ``op`` (rank order)."""
+    ReduceOp = dist.ReduceOp
+    if op == ReduceOp.SUM:
+        return stacked.sum(dim=0, dtype=stacked.dtype) if stacked.dtype != torch.bool else stacked.any(dim=0)
+    if op == ReduceOp.PRODUCT:
+        return stacked.prod(dim=0, dtype=stacked.dtype) if stacked.dtype != torch.bool else stacked.all(dim=0)
+    if op == ReduceOp.MIN:
+        return stacked.amin(dim=0)
+    if op == ReduceOp.MAX:
+        return stacked.amax(dim=0)
+    if op == ReduceOp.AVG:
+        if not stacked.is_floating_point():
+            raise ValueError(f"{where}: op=AVG needs a floating-point tensor, got {stacked.dtype}")
+        return stacked.mean(dim=0)
+    bitwise = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+    for candidate, function in bitwise.items():
+        if op == candidate:
+            return functools.reduce(function, stacked.unbind(0))
+    raise ValueError(f"{where}: op={op!r} is not supported; allowed: SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR")
+
+
+def simple_reduce_scatter(input: torch.Tensor, group: Optional[Any] = None, op: Any = None) -> torch.Tensor:
+    """Reduces ``input`` over ``group`` with ``op`` (default SUM) and returns this rank's chunk of dim 0.
+
+    CUDA tensors use the backend's reduce-scatter; CPU tensors (gloo has no
+    portable reduce-scatter) use an all-to-all of the chunks followed by a
+    local reduction in rank order, which moves the same bytes.
+    """
+    where = "tutel.net.simple_reduce_scatter"
+    op = reduce_op(op, where)
+    world_size = get_world_size(group)
+    if world_size == 1:
+        return input
+    require_divisible_dim0(input, world_size, where)
+    input = input.contiguous()
+    if input.is_cuda:
+        output = torch.empty((input.size(0) // world_size,) + tuple(input.shape[1:]),
+                             dtype=input.dtype, device=input.device)
+        with collective_errors(where, group):
+            reduce_scatter_single(output, input, op=op, group=group)
+        return output
+    received = torch.empty_like(input)
+    with collective_errors(where, group):
+        dist.all_to_all_single(received, input, group=group)
+    return _reduce_received(received.view((world_size, -1) + tuple(input.shape[1:])), op, where)
+
+
+def simple_all_gather(input: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """Concatenation along dim 0 of every rank's ``input`` (equal shapes), in rank order."""
+    where = "tutel.net.simple_all_gather"
+    require_tensor(input, "input", where)
+    world_size = get_world_size(group)
+    if world_size == 1:
+        return input
+    input = input.contiguous()
+    output = torch.empty([world_size * input.numel()], dtype=input.dtype, device=input.device)
+    with collective_errors(where, group):
+        all_gather_single(output, input.reshape(-1), group=group)
+    return output.view([-1] + list(input.shape[1:]))
+
+
+def all_reduce_max_int(value: int, device: torch.device, group: Optional[Any] = None) -> int:
+    """The maximum of a host integer over ``group`` (one small collective when distributed)."""
+    if get_world_size(group) == 1:
+        return int(value)
+    tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    with collective_errors("tutel all_reduce_max_int", group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
+
