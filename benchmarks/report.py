@@ -206,6 +206,31 @@ TARGETS_NOTE = """*measured* is timed with freed memory kept for reuse, as a cac
 """
 
 
+KERNEL_FORMULAS = """The work each kernel of a step cannot avoid, for T tokens of M features, E experts with hidden
+size H, k choices per token, capacity C and s bytes per element (kept choices at most kT; the
+expert buffer has EC slots):
+
+| kernel | bytes that must move | FLOPs that must happen |
+|---|---|---|
+| gate GEMM, forward | (TM + EM + TE)·s | 2TME |
+| gate GEMMs, backward (input and weight) | 2·(TM + EM + TE)·s | 4TME |
+| softmax, forward / backward | 2TE·s / 3TE·s | about 4TE / 3TE |
+| route_topk (top-k, slots, counts) | TE·s + 12kT + 4kE | about TE comparisons |
+| encode (`scatter_slots`) | (kT·M + EC·M)·s | none (kTM with pre-scoring gates) |
+| expert GEMM fc1 or fc2, forward | (ECM + EHM + ECH)·s | 2ECMH |
+| expert GEMMs, backward (input and weight, both layers) | 4·(ECM + EHM + ECH)·s | 8ECMH |
+| ReLU, forward / backward; biases | 2ECH·s / 3ECH·s; (ECH + ECM)·s | ECH; ECH + ECM |
+| decode (`gather_slots`, gates) | (kT·M + TM)·s | 2kTM |
+| decode backward (`scatter_slots` + gate dots) | (2kT·M + EC·M)·s | 3kTM |
+| encode backward (`gather_slots`) | (kT·M + TM)·s | kTM |
+
+The routing metadata is 12 bytes per choice (int32 expert, int32 slot, float32 gate) plus 4 bytes
+per (choice, expert) count: O(kT + kE), never a [T, E] tensor.  Everything but the GEMMs moves
+O((kT + EC)·M) bytes with at most a few FLOPs per byte, so it is bounded by memory bandwidth;
+the GEMMs have 2H / s or more FLOPs per byte and are bounded by the FLOP rate.
+"""
+
+
 def machine_section(results: Dict[str, dict]) -> str:
     any_result = next(iter(results.values()))
     m = any_result["machine"]
@@ -227,13 +252,13 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
             targets, ["target", "goal", "measured", "met", "glibc default malloc", "where"]))
     layer = results.get("layer")
     if layer:
+        parts.append("## Bytes and FLOPs per kernel\n\n" + KERNEL_FORMULAS)
         budget = budget_rows(layer)
         if budget:
             shape = layer["profile"]["shape"]
             roof = layer["roofline"]
             parts.append(
-                "## Bytes and FLOPs per kernel\n\n"
-                f"One layer step (forward + backward, fp32) at T={shape['T']}, M={shape['M']}, H={shape['H']}, "
+                f"Measured: one layer step (forward + backward, fp32) at T={shape['T']}, M={shape['M']}, H={shape['H']}, "
                 f"E={shape['E']}, k={shape['k']}.  *bound* is the time the kernel needs at this machine's measured "
                 f"rates: {roof['gemm_gflops']:.0f} GFLOP/s for an fp32 GEMM and {roof['copy_gbps']:.1f} GB/s for a "
                 "tensor copy (read + write); GEMM groups are bounded by FLOPs, the others by bytes.  *measured* is "

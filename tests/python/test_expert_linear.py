@@ -110,6 +110,26 @@ def test_python_loop_equals_compiled_operator(weight_transposed):
                     assert got is None and want.numel() == 0
 
 
+@pytest.mark.parametrize("group_rows", [None, [3, 0, 5]])
+def test_autocast_runs_the_product_in_bfloat16_and_adds_the_float32_bias(group_rows):
+    """As matmul(x, w) + b does under autocast: bfloat16 product, float32 bias, float32 result."""
+    weight, bias = make_weights(3, 6, 4, True, True, torch.float32)
+    x = torch.randn(3, 8, 6) if group_rows is None else torch.randn(8, 6)
+    x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = expert_linear(x, weight, bias, weight_transposed=True, group_rows=group_rows)
+    assert y.dtype == torch.float32
+    y.backward(torch.ones_like(y))
+    assert x.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.float32
+    rows = group_rows or [8, 8, 8]
+    x64, w64, b64 = leaves_as_float64(x, weight, bias)
+    expected = reference_grouped(x64.reshape(-1, 6), w64, b64, rows, True).reshape(y.shape)
+    expected.backward(torch.ones_like(expected))
+    torch.testing.assert_close(y.double(), expected.detach(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(bias.grad.double(), b64.grad)  # the bias gradient is exact: sums of ones
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=3e-2, atol=1e-1)
+
+
 def test_non_cpu_device_takes_the_loop():
     """On a device without the compiled operator (here: meta) the loop runs; shapes are right."""
     weight = torch.empty(3, 5, 4, device="meta", requires_grad=True)

@@ -30,23 +30,29 @@ def _weight_grad(rows: torch.Tensor, grad: torch.Tensor, weight_transposed: bool
     return torch.matmul(rows.transpose(-1, -2), grad)
 
 
-def _autocast_operands(x, weight, bias):
-    """Under autocast, the operands in autocast's dtype (what autocast does for bmm / mm, which
-    the operators below run on directly); float64 is left alone, as autocast does."""
+def _autocast_operands(x, weight):
+    """Under autocast, the GEMM operands in autocast's dtype (what autocast does for bmm / mm,
+    which the operators below run on directly); float64 is left alone, as autocast does.  The
+    bias keeps its dtype: adding it promotes the product, as ``matmul(x, w) + b`` does."""
     try:
         dtype = autocast_dtype(x.device.type)
     except RuntimeError:  # a device type autocast does not know (e.g. meta)
         dtype = None
     if dtype is None:
-        return x, weight, bias
-    return tuple(t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype) for t in (x, weight, bias))
+        return x, weight
+    return tuple(t if t.dtype in (dtype, torch.float64) else t.to(dtype) for t in (x, weight))
 
 
 class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_transposed):
         right = _right_factor(weight, weight_transposed)
-        out = torch.bmm(x, right) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, right)
+        if bias is None:
+            out = torch.bmm(x, right)
+        elif bias.dtype == x.dtype:
+            out = torch.baddbmm(bias.unsqueeze(1), x, right)  # the bias is the GEMM's initial value
+        else:  # autocast: a wider bias promotes the low-precision product
+            out = torch.bmm(x, right) + bias.unsqueeze(1)
         ctx.weight_transposed = weight_transposed
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         return out
@@ -54,11 +60,11 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad_bias = grad.sum(dim=1) if ctx.needs_input_grad[2] else None
+        grad = grad.to(weight.dtype).contiguous()
         grad_x = torch.bmm(grad, _right_factor(weight, ctx.weight_transposed).transpose(1, 2)) \
             if ctx.needs_input_grad[0] else None
         grad_weight = _weight_grad(x, grad, ctx.weight_transposed) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(dim=1) if ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None
 
 
@@ -142,7 +148,7 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     where = "tutel.ops.expert_linear"
     require_floating(x, "x", where)
     require_dim(weight, 3, "weight", where)
-    x, weight, bias = _autocast_operands(x, weight, bias)
+    x, weight = _autocast_operands(x, weight)
     if group_rows is None:
         require_dim(x, 3, "x", where)
         if x.shape[0] != weight.shape[0]:
@@ -153,4 +159,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if len(group_rows) != weight.shape[0] or any(count < 0 for count in group_rows) or sum(group_rows) != x.shape[0]:
         raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to the "
                          f"{x.shape[0]} rows of `x`, got {group_rows}")
+    if bias is not None and bias.dtype != x.dtype:  # autocast: add the wider bias after the product
+        out = _GroupedLinear.apply(x, weight, None, group_rows, bool(weight_transposed))
+        counts = torch.tensor(group_rows, device=bias.device)
+        return out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
     return _GroupedLinear.apply(x, weight, bias, group_rows, bool(weight_transposed))
