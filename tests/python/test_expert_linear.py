@@ -140,6 +140,22 @@ def test_non_cpu_device_takes_the_loop():
     assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("group_rows", [None, [5, 0, 2]])
+def test_cuda_matches_cpu(group_rows):
+    weight, bias = make_weights(3, 4, 6, True, True, torch.float64)
+    x = (torch.randn(3, 7, 4) if group_rows is None else torch.randn(7, 4)).double().requires_grad_()
+    grad = torch.randn(x.shape[:-1] + (6,), dtype=torch.float64)
+    expected = expert_linear(x, weight, bias, weight_transposed=True, group_rows=group_rows)
+    expected.backward(grad)
+    on_gpu = [t.detach().cuda().requires_grad_() for t in (x, weight, bias)]
+    got = expert_linear(*on_gpu, weight_transposed=True, group_rows=group_rows)
+    got.backward(grad.cuda())
+    torch.testing.assert_close(got.cpu(), expected)
+    for gpu, cpu in zip(on_gpu, (x, weight, bias)):
+        torch.testing.assert_close(gpu.grad.cpu(), cpu.grad)
+
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
