@@ -70,13 +70,22 @@ def cuda_build_requested():
 WITH_CUDA = cuda_build_requested()
 
 
+def openmp_flags():
+    """With PyTorch's OpenMP backend, at::parallel_for expands to `#pragma omp parallel` inside the
+    extension's own code: without -fopenmp every kernel would run on one thread.  (The OpenMP
+    runtime is the one PyTorch already loaded.)"""
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        return ["-fopenmp"]
+    return []
+
+
 def extension():
     sources = relative_sources("csrc/core/*.cpp", "csrc/ops/*.cpp", "csrc/ops/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc")]
-    compile_args = {"cxx": ["-O3", "-fvisibility=hidden"]}
+    compile_args = {"cxx": ["-O3", "-fvisibility=hidden"] + openmp_flags()}
     if not WITH_CUDA:
         return CppExtension(name="tutel._C", sources=sources, include_dirs=include_dirs,
-                            extra_compile_args=compile_args)
+                            extra_compile_args=compile_args, extra_link_args=openmp_flags())
     # Plain C++ host code: the kernels are compiled by NVRTC at run time, and
     # the extension opens NVRTC and the driver with dlopen.
     return cpp_extension.CUDAExtension(
@@ -86,6 +95,7 @@ def extension():
         define_macros=[("TUTEL_WITH_CUDA", None)],
         libraries=["dl"],
         extra_compile_args=compile_args,
+        extra_link_args=openmp_flags(),
     )
 
 

@@ -12,7 +12,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -32,6 +34,7 @@ def parse_args(description: str, argv: Optional[Sequence[str]], default_reps: in
     parser.add_argument("--reps", type=int, default=None, help=f"timed repetitions (default {default_reps})")
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON result")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--memory-rows", default=None, help=argparse.SUPPRESS)  # see add_memory
     args = parser.parse_args(argv)
     if args.reps is None:
         args.reps = 1 if args.smoke else default_reps
@@ -75,18 +78,57 @@ def machine() -> Dict[str, object]:
     }
 
 
-def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> Dict[str, float]:
+class ForeignLoad:
+    """Context manager measuring how many CPUs other processes kept busy while it was open
+    (system-wide busy time from /proc/stat minus this process's own CPU time, per second).
+
+    The load average cannot tell: it counts the benchmark itself."""
+
+    value: Optional[float] = None
+
+    @staticmethod
+    def _busy_seconds() -> Optional[float]:
+        try:
+            with open("/proc/stat") as handle:
+                fields = [int(v) for v in handle.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> "ForeignLoad":
+        self._start = (self._busy_seconds(), sum(os.times()[:2]), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own, wall = self._busy_seconds(), sum(os.times()[:2]), time.perf_counter()
+        if busy is not None and self._start[0] is not None and wall > self._start[2]:
+            foreign = (busy - self._start[0]) - (own - self._start[1])
+            self.value = round(max(0.0, foreign) / (wall - self._start[2]), 2)
+
+
+class Medians(dict):
+    """Median seconds per candidate, plus ``foreign_cpus``: the CPUs other processes kept busy
+    meanwhile (see ForeignLoad)."""
+
+    foreign_cpus: Optional[float] = None
+
+
+def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> Medians:
     """Median seconds per call of each candidate; every round runs each candidate once, in turn."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
     samples: Dict[str, List[float]] = {name: [] for name in candidates}
-    for _ in range(reps):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    with ForeignLoad() as foreign:
+        for _ in range(reps):
+            for name, fn in candidates.items():
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+    medians = Medians((name, statistics.median(values)) for name, values in samples.items())
+    medians.foreign_cpus = foreign.value
+    return medians
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -198,13 +240,39 @@ def measure_rows(configs: Sequence[tuple], time_row: Callable[..., Dict[str, obj
 
 
 def add_memory(rows: List[Dict[str, object]], memory_row: Callable[[Dict[str, object]], None],
-               columns: Sequence[str]) -> None:
-    """With large blocks mmap'd from now on, lets ``memory_row(row)`` add peak memory figures to
-    every row; prints the finished table."""
+               columns: Sequence[str], script: str) -> None:
+    """Lets ``memory_row(row)`` add peak memory figures to every row, then prints the table.
+
+    The measurement runs in a fresh process (`script` with --memory-rows) whose allocator has only
+    ever mmap'd large blocks: in this process the timings left free memory resident in the heap,
+    which a step would reuse without raising the high-water mark.  A smoke run measures in process."""
+    if not _TUNE_ALLOCATOR:
+        for row in rows:
+            memory_row(row)
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "rows.json")
+            with open(path, "w") as handle:
+                json.dump(rows, handle)
+            subprocess.run([sys.executable, script, "--memory-rows", path, "--threads", str(torch.get_num_threads())],
+                           check=True)
+            with open(path) as handle:
+                rows[:] = json.load(handle)
+    print(format_table(rows, columns))
+
+
+def memory_child(args: argparse.Namespace, memory_row: Callable[[Dict[str, object]], None]) -> bool:
+    """In the process add_memory starts: measures the rows in args.memory_rows and returns True."""
+    if not args.memory_rows:
+        return False
     use_mmap_for_large_blocks()
+    with open(args.memory_rows) as handle:
+        rows = json.load(handle)
     for row in rows:
         memory_row(row)
-    print(format_table(rows, columns))
+    with open(args.memory_rows, "w") as handle:
+        json.dump(rows, handle)
+    return True
 
 
 def write_result(out_dir: str, name: str, payload: Dict[str, object], smoke: bool) -> str:

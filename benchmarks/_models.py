@@ -153,6 +153,7 @@ def time_case(case: LayerCase, reps: int, naive_limit_bytes: Optional[int] = 2 <
     if with_naive:
         row["naive_max_abs_diff"] = case.naive_difference()
     times = interleaved_medians(case.steps(include_naive=with_naive), reps)
+    row["foreign_cpus"] = times.foreign_cpus
     for name, seconds in times.items():
         row[f"{name}_ms"] = seconds * 1e3
     row["layer/ideal"] = times["layer"] / times["ideal"]
@@ -165,7 +166,7 @@ def time_case_under_glibc(case: LayerCase, reps: int) -> Dict[str, object]:
     """layer and ideal timed as time_case does, keys suffixed with _glibc (for glibc's default malloc)."""
     times = interleaved_medians(case.steps(include_naive=False), reps)
     return {"layer_ms_glibc": times["layer"] * 1e3, "ideal_ms_glibc": times["ideal"] * 1e3,
-            "layer/ideal_glibc": times["layer"] / times["ideal"]}
+            "layer/ideal_glibc": times["layer"] / times["ideal"], "foreign_cpus_glibc": times.foreign_cpus}
 
 
 def naive_fits(tokens: int, experts: int, capacity: int, limit_bytes: Optional[int] = 2 << 30) -> bool:

@@ -63,7 +63,7 @@ def dispatch_rows(shape, dtype_name: str, reps: int) -> List[Dict[str, object]]:
         rate = moved / times[name]
         rows.append(dict(T=tokens, M=model_dim, E=experts, k=top_k, dtype=dtype_name, kernel=name,
                          ms=times[name] * 1e3, MB_moved=moved / 1e6, GB_per_s=rate / 1e9,
-                         of_copy=rate / copy_rate))
+                         of_copy=rate / copy_rate, foreign_cpus=times.foreign_cpus))
     return rows
 
 
@@ -76,7 +76,8 @@ def routing_rows(shape, reps: int) -> List[Dict[str, object]]:
         "torch.topk (selection only)": lambda: torch.topk(scores, top_k, dim=1),
     }
     times = interleaved_medians(calls, reps)
-    return [dict(T=tokens, E=experts, k=top_k, op=name, ms=seconds * 1e3) for name, seconds in times.items()]
+    return [dict(T=tokens, E=experts, k=top_k, op=name, ms=seconds * 1e3, foreign_cpus=times.foreign_cpus)
+            for name, seconds in times.items()]
 
 
 def metadata_sizes(shape) -> Dict[str, object]:
@@ -94,8 +95,8 @@ def metadata_sizes(shape) -> Dict[str, object]:
                 routing_peak_mib=peak)
 
 
-DISPATCH_COLUMNS = ["T", "M", "E", "k", "dtype", "kernel", "ms", "MB_moved", "GB_per_s", "of_copy"]
-ROUTING_COLUMNS = ["T", "E", "k", "op", "ms"]
+DISPATCH_COLUMNS = ["T", "M", "E", "k", "dtype", "kernel", "ms", "MB_moved", "GB_per_s", "of_copy", "foreign_cpus"]
+ROUTING_COLUMNS = ["T", "E", "k", "op", "ms", "foreign_cpus"]
 METADATA_COLUMNS = ["T", "E", "k", "metadata_bytes", "bytes_per_choice", "dense_mask_bytes", "dense_over_metadata",
                     "scores_mib", "routing_peak_mib"]
 

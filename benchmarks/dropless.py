@@ -15,8 +15,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from _common import (add_memory, interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib,
-                     write_result)
+from _common import (add_memory, interleaved_medians, load_average, measure_rows, memory_child, parse_args,
+                     peak_memory_mib, write_result)
 from _models import clear_grads
 from tutel import moe
 
@@ -108,6 +108,7 @@ def measure(shape, routing: str, reps: int) -> Dict[str, object]:
                                   real_rows=sum(case.loads), padded_rows=experts * max(case.loads))
     for name, seconds in times.items():
         row[f"{name}_ms"] = seconds * 1e3
+    row["foreign_cpus"] = times.foreign_cpus
     row["grouped/ideal"] = times["grouped"] / times["ideal"]
     row["padded/grouped"] = times["padded"] / times["grouped"]
     return row
@@ -117,7 +118,7 @@ def measure_glibc(shape, routing: str, reps: int) -> Dict[str, object]:
     case = DroplessCase(*shape, routing)
     times = interleaved_medians(case.steps(), reps)
     return {"grouped_ms_glibc": times["grouped"] * 1e3, "ideal_ms_glibc": times["ideal"] * 1e3,
-            "grouped/ideal_glibc": times["grouped"] / times["ideal"]}
+            "grouped/ideal_glibc": times["grouped"] / times["ideal"], "foreign_cpus_glibc": times.foreign_cpus}
 
 
 def measure_memory(row: Dict[str, object]) -> None:
@@ -129,15 +130,17 @@ def measure_memory(row: Dict[str, object]) -> None:
 
 COLUMNS = ["T", "M", "H", "E", "k", "routing", "busiest_share", "real_rows", "padded_rows", "grouped_ms", "padded_ms",
            "ideal_ms", "grouped/ideal", "grouped/ideal_glibc", "padded/grouped", "grouped_peak_mib", "padded_peak_mib",
-           "ideal_peak_mib"]
+           "ideal_peak_mib", "foreign_cpus"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
+    if memory_child(args, measure_memory):
+        return {}
     configs = [(shape, routing, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
                for routing in ("zipf", "uniform")]
     rows = measure_rows(configs, measure, COLUMNS, glibc_row=measure_glibc)
-    add_memory(rows, measure_memory, COLUMNS)
+    add_memory(rows, measure_memory, COLUMNS, __file__)
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "zipf_exponent": ZIPF_EXPONENT}
     write_result(args.out, "dropless", result, args.smoke)
     return result

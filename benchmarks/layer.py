@@ -10,8 +10,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import (add_memory, interleaved_medians, load_average, measure_rows, parse_args, peak_memory_mib,
-                     write_result)
+from _common import (add_memory, interleaved_medians, load_average, measure_rows, memory_child, parse_args,
+                     peak_memory_mib, write_result)
 from _models import LayerCase, time_case, time_case_under_glibc
 
 # (T, M, H, E, k)
@@ -71,18 +71,21 @@ def roofline(reps: int, smoke: bool) -> Dict[str, float]:
 
 
 COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms", "layer/ideal", "layer/ideal_glibc",
-           "naive/layer", "tokens_per_s", "layer_peak_mib", "ideal_peak_mib", "naive_peak_mib", "layer_mem/ideal_mem"]
+           "naive/layer", "tokens_per_s", "layer_peak_mib", "ideal_peak_mib", "naive_peak_mib", "layer_mem/ideal_mem",
+           "foreign_cpus"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
+    if memory_child(args, measure_memory):
+        return {}
     configs = [(shape, dtype_name, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
                for dtype_name in DTYPES]
     rows = measure_rows(configs, measure_time, COLUMNS, glibc_row=measure_glibc)
     profiled = SMOKE_SHAPES[0] if args.smoke else PROFILED_SHAPE
     timing = {"roofline": roofline(args.reps, args.smoke),
               "profile": {"shape": dict(zip("TMHEk", profiled)), "ms_per_step": profile_ops(profiled, args.reps)}}
-    add_memory(rows, measure_memory, COLUMNS)
+    add_memory(rows, measure_memory, COLUMNS, __file__)
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, **timing}
     write_result(args.out, "layer", result, args.smoke)
     return result
