@@ -28,7 +28,7 @@ from .layer_config import (
     reject_unknown_layer_arguments,
     valid_adaptive_rs,
 )
-from .state_loading import load_moe_state
+from .state_loading import load_moe_state, register_placement_record
 
 logger = logging.getLogger("tutel")
 
@@ -124,6 +124,7 @@ class MOELayer(torch.nn.Module):
                 torch.manual_seed(seeds[0] + index)
             built_gates.append(build_gate(config, self.model_dim, self.num_global_experts))
         self.gates = torch.nn.ModuleList(built_gates)
+        register_placement_record(self)  # state_dict() records which process saved the experts
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
         if self.world_size > 1:
@@ -162,7 +163,7 @@ class MOELayer(torch.nn.Module):
         return y.reshape(y.size(0), y.size(1), math.prod(y.shape[2:]))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        load_moe_state(self, state_dict, prefix)
+        load_moe_state(self, state_dict, prefix, args[0] if args else None)  # args[0]: local_metadata
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward
