@@ -49,8 +49,8 @@ def test_forward_switches_apply_per_call_only():
     assert layer.gates[0].top_k == 2 and layer.gates[0].capacity_factor == 1.0
     run_and_compare(layer, x, top_k=2, capacity_factor=1.0)  # back to the gate's settings
     run_and_compare(layer, x, forward_kwargs=dict(capacity_factor=-0.6, top_k=6), top_k=6, capacity_factor=-0.6)
-    run_and_compare(layer, x, forward_kwargs=dict(a2a_ffn_overlap_degree=4, capacity_factor=0.3),
-                    top_k=2, capacity_factor=0.3, alignment=4)
+    run_and_compare(layer, x, forward_kwargs=dict(a2a_ffn_overlap_degree=3, capacity_factor=0.5),
+                    top_k=2, capacity_factor=0.5, alignment=3)
     assert layer.a2a_ffn_overlap_degree == 1
     run_and_compare(layer, x, forward_kwargs=dict(adaptive_r=0), top_k=2, capacity_factor=1.0)
     assert layer.adaptive_degree == 1

@@ -1,9 +1,8 @@
 """The MoE layer: ``tutel.moe.moe_layer`` (class ``MOELayer``)."""
 import contextlib
-import logging
 import math
 import os
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,6 @@ from .layer_config import (
 )
 from .state_loading import load_moe_state, register_placement_record
 
-logger = logging.getLogger("tutel")
 
 
 def _default_group(group):
