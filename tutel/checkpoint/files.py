@@ -1,7 +1,10 @@
 """Checkpoint files: per-rank file patterns, and state dicts nested inside a file (``--namespace``)."""
+import argparse
+import logging
 import os
 import pickle
-from typing import Any, List, Mapping, Optional, Tuple
+import sys
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -81,3 +84,29 @@ def write_file(content: Any, path: str) -> None:
     if directory:
         os.makedirs(directory, exist_ok=True)
     torch.save(content, path)
+
+
+def command_line_parser(module_doc: str, program: str, required) -> argparse.ArgumentParser:
+    """A parser with the `required` (flag, type, help) options, --namespace and --trust_pickle."""
+    parser = argparse.ArgumentParser(prog=f"python3 -m {program}", description=module_doc.splitlines()[0])
+    for flag, kind, text in required:
+        parser.add_argument(flag, type=kind, required=True, help=text)
+    add_file_flags(parser)
+    return parser
+
+
+def add_file_flags(parser: argparse.ArgumentParser) -> None:
+    """--namespace and --trust_pickle, shared by the gather and scatter command lines."""
+    parser.add_argument("--namespace", type=str, default="",
+                        help="where the state dict sits in each file, e.g. model or a/b")
+    parser.add_argument("--trust_pickle", action="store_true",
+                        help="allow any pickled object in the files (only for files you trust)")
+
+
+def run_command_line(program: str, work: Callable[[], None]) -> None:
+    """Runs `work`, turning the conversion's errors into one line on stderr and exit status 1."""
+    logging.basicConfig(format="%(levelname)s: %(message)s")
+    try:
+        work()
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"{program}: error: {error}")

@@ -9,39 +9,33 @@ warning naming any that differ).  The output loads with ``load_state_dict`` on a
 processes and is the input of ``tutel.checkpoint.scatter``.
 """
 import argparse
-import logging
-import sys
 from typing import List, Optional
 
-from .files import rank_files, read_states, with_inner_state, write_file
+from .files import command_line_parser, rank_files, read_states, run_command_line, with_inner_state, write_file
 from .reshard import gather_state_dicts
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 -m tutel.checkpoint.gather", description=__doc__.splitlines()[0])
-    parser.add_argument("--inputs", type=str, required=True, help="file pattern with {rank} (and {size})")
-    parser.add_argument("--input_size", type=int, required=True, help="number of per-rank files (processes)")
-    parser.add_argument("--output", type=str, required=True, help="the merged checkpoint to write")
-    parser.add_argument("--namespace", type=str, default="",
-                        help="where the state dict sits in each file, e.g. model or a/b")
+    parser = command_line_parser(__doc__, "tutel.checkpoint.gather", [
+        ("--inputs", str, "file pattern with {rank} (and {size})"),
+        ("--input_size", int, "number of per-rank files (processes)"),
+        ("--output", str, "the merged checkpoint to write")])
     parser.add_argument("--default_num_global_experts", type=int, default=None,
                         help="expert count of legacy checkpoints without `_num_global_experts`")
-    parser.add_argument("--trust_pickle", action="store_true",
-                        help="allow any pickled object in the files (only for files you trust)")
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    logging.basicConfig(format="%(levelname)s: %(message)s")
-    args = parse_args(argv)
-    try:
-        files = rank_files(args.inputs, args.input_size, "--inputs")
-        states, first_content = read_states(files, args.namespace, args.trust_pickle)
-        merged = gather_state_dicts(states, labels=files, default_num_global_experts=args.default_num_global_experts)
-        write_file(with_inner_state(first_content, args.namespace, merged), args.output)
-    except ValueError as error:
-        sys.exit(f"tutel.checkpoint.gather: error: {error}")
+def gather_files(args: argparse.Namespace) -> None:
+    """Reads the per-rank files, merges them and writes the output file."""
+    files = rank_files(args.inputs, args.input_size, "--inputs")
+    states, first_content = read_states(files, args.namespace, args.trust_pickle)
+    merged = gather_state_dicts(states, labels=files, default_num_global_experts=args.default_num_global_experts)
+    write_file(with_inner_state(first_content, args.namespace, merged), args.output)
     print(f"Model params have been collected to: {args.output}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    run_command_line("tutel.checkpoint.gather", lambda: gather_files(parse_args(argv)))
 
 
 if __name__ == "__main__":
