@@ -13,7 +13,7 @@ import torch
 
 from .files import rank_files, read_states
 from .layouts import ShapeError, layout_of
-from .placement import Placement
+from ..impls.placement import Placement
 from .reshard import ExpertTensors, check_shared_params, layer_name, stored_for_rank, whole_experts
 from .state_dicts import EXPERTS, PLACEMENT_KEY, find_moe_layers, new_state, record_placement
 

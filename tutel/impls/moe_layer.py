@@ -27,6 +27,7 @@ from .layer_config import (
     reject_unknown_layer_arguments,
     valid_adaptive_rs,
 )
+from .placement import Placement
 from .state_loading import load_moe_state, register_placement_record
 
 
@@ -89,11 +90,8 @@ class MOELayer(torch.nn.Module):
         # which puts the count into state_dict.
         self._expert_count = global_expert_count(self.num_local_experts, self.world_size)
         self.register_buffer("_num_global_experts", torch.tensor(self._expert_count))
-        if self.num_global_experts < self.world_size:
-            self.sharded_count = self.world_size // self.num_global_experts
-            self.num_local_experts = 1
-        else:
-            self.sharded_count = 1
+        placement = Placement(self._expert_count, self.world_size)
+        self.sharded_count, self.num_local_experts = placement.sharded_count, placement.local_experts
         self.valid_rs = valid_adaptive_rs(self.sharded_count)
         self.adaptive_degree = parse_parallel_type(parallel_type, self.sharded_count)
         # Kept for code that reads Tutel's attributes; the layer never auto-selects.

@@ -3,8 +3,8 @@
 E global experts over W processes: with W <= E every process holds L = E / W whole
 experts (process r: experts r*L .. r*L + L - 1); with W > E the S = W / E consecutive
 processes r = e*S .. e*S + S - 1 share expert e, process r holding slice r % S of it.
-This is the rule of ``moe_layer`` (tutel.impls.layer_config.global_expert_count) seen
-from the checkpoint side.
+The MoE layer derives its local expert count and shard count from this class, and the
+checkpoint tools use it to map files to experts, so both sides follow one rule.
 """
 from dataclasses import dataclass
 from typing import List, Tuple
