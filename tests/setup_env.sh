@@ -14,8 +14,10 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 
 missing=()
-for module in pytest hypothesis ninja numpy matplotlib; do
-  "$PYTHON" -c "import ${module}" 2>/dev/null || missing+=("${module}")
+# module[:pip package]; scikit-learn (bundled digits), tqdm and matplotlib serve the examples.
+for spec in pytest hypothesis ninja numpy sklearn:scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.11.2; do
+  module="${spec%%[:=]*}"; package="${spec#*:}"
+  "$PYTHON" -c "import ${module}" 2>/dev/null || missing+=("${package}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "== installing ${missing[*]} =="

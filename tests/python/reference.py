@@ -70,33 +70,30 @@ def decode(y, indices_tk, locations_tk, gates_tk=None):
     return out
 
 
-def encode_dense(x, indices_tk, locations_tk, num_experts, capacity, gates_tk=None):
-    """Same as encode() through a dense one-hot [T, E, C] dispatch tensor (GShard einsum style).
-
-    Differentiable, for checking gradients with autograd in float64."""
+def dense_assignment(indices_tk, locations_tk, num_experts, capacity, gates_tk=None):
+    """[T, E, C] float64 tensor: the gate weight of token t in slot (e, c), 0 elsewhere (GShard's
+    dispatch / combine tensor).  Differentiable with respect to the gates."""
     tokens, k = indices_tk.shape
-    dispatch = torch.zeros(tokens, num_experts, capacity, dtype=torch.float64)
+    assignment = torch.zeros(tokens, num_experts, capacity, dtype=torch.float64)
     for j in range(k):
         kept = locations_tk[:, j] < capacity
         t = torch.arange(tokens)[kept]
         weight = torch.ones(tokens, dtype=torch.float64) if gates_tk is None else gates_tk[:, j]
         one_hot = torch.zeros(tokens, num_experts, capacity, dtype=torch.float64)
         one_hot[t, indices_tk[kept, j], locations_tk[kept, j]] = 1.0
-        dispatch = dispatch + one_hot * weight[:, None, None]
+        assignment = assignment + one_hot * weight[:, None, None]
+    return assignment
+
+
+def encode_dense(x, indices_tk, locations_tk, num_experts, capacity, gates_tk=None):
+    """Same as encode() through the dense [T, E, C] dispatch tensor (GShard einsum style)."""
+    dispatch = dense_assignment(indices_tk, locations_tk, num_experts, capacity, gates_tk)
     return torch.einsum("tec,tm->ecm", dispatch, x.double())
 
 
 def decode_dense(y, indices_tk, locations_tk, gates_tk=None):
-    tokens, k = indices_tk.shape
-    num_experts, capacity = y.shape[0], y.shape[1]
-    combine = torch.zeros(tokens, num_experts, capacity, dtype=torch.float64)
-    for j in range(k):
-        kept = locations_tk[:, j] < capacity
-        t = torch.arange(tokens)[kept]
-        weight = torch.ones(tokens, dtype=torch.float64) if gates_tk is None else gates_tk[:, j]
-        one_hot = torch.zeros(tokens, num_experts, capacity, dtype=torch.float64)
-        one_hot[t, indices_tk[kept, j], locations_tk[kept, j]] = 1.0
-        combine = combine + one_hot * weight[:, None, None]
+    """Same as decode() through the dense [T, E, C] combine tensor."""
+    combine = dense_assignment(indices_tk, locations_tk, y.shape[0], y.shape[1], gates_tk)
     return torch.einsum("tec,ecm->tm", combine, y.double())
 
 

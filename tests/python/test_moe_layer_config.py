@@ -1,6 +1,5 @@
 """moe_layer construction, state_dict compatibility and bad input."""
 import logging
-import os
 
 import pytest
 import torch

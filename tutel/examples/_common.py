@@ -1,8 +1,9 @@
 """Pieces shared by the example scripts: flags, synthetic data, timing and the printed lines."""
 import argparse
-from typing import Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -27,6 +28,99 @@ def add_common_flags(parser: argparse.ArgumentParser, *, hidden_size: bool = Tru
     parser.add_argument("--a2a_ffn_overlap_degree", type=int, default=1)
     parser.add_argument("--num_steps", type=int, default=100)
     parser.add_argument("--device", type=str, default=default_device(), choices=["cpu", "cuda"])
+
+
+# Optional flags, each shared by several examples: name -> (argparse keyword arguments).
+OPTIONAL_FLAGS = {
+    "fp32_gate": dict(default=False, action="store_true"),
+    "eval": dict(default=False, action="store_true"),
+    "use_2dh": dict(default=False, action="store_true"),
+    "use_tensorcore": dict(default=False, action="store_true"),
+    "allreduce_degree": dict(type=int, default=1, help="-1 disables the gradient all-reduce"),
+    "parallel_type": dict(type=str, default="adaptive:1"),
+    "checkpoint_path": dict(type=str, default="", help="pattern with {rank} and {size}"),
+    "capacity_factor": dict(type=float, default=1.0),
+    "megablocks_size": dict(type=int, default=0),
+    "expert_type": dict(type=str, default="ffn"),
+}
+
+
+def add_flags(parser: argparse.ArgumentParser, *names: str, **defaults) -> None:
+    """Adds the named OPTIONAL_FLAGS (keyword arguments override their defaults)."""
+    for name in names:
+        options = dict(OPTIONAL_FLAGS[name])
+        if name in defaults:
+            options["default"] = defaults[name]
+        parser.add_argument("--" + name, **options)
+
+
+def benchmark_line(args, world_size: int, device, parallel_type: Optional[str] = None) -> str:
+    """Tutel's ``[Benchmark] ...`` line describing the run."""
+    line = ("[Benchmark] world_size = %s, dtype = %s, model_dim = %s, hidden_size = %s, samples = %s, "
+            "num_local_experts = %s, topK = %s, a2a_ffn_overlap_degree = %s"
+            % (world_size, args.dtype, args.model_dim, args.hidden_size, args.batch_size * args.num_tokens,
+               args.num_local_experts, args.top, args.a2a_ffn_overlap_degree))
+    if parallel_type is not None:
+        line += ", parallel_type = `%s`" % parallel_type
+    return line + ", device = `%s`" % device
+
+
+def training_step(model, optimizer, x, y, layer, *, l_aux_wt: float = 0.0, eval_mode: bool = False,
+                  shared: Iterable[torch.nn.Parameter] = (), world_size: int = 1) -> Callable[[int], torch.Tensor]:
+    """step(i) -> loss: NLL of model(x) against y (+ l_aux_wt * the layer's l_aux), backward, gradient
+    averaging of `shared` parameters over the processes, optimizer step (or only the loss with eval_mode)."""
+    shared = list(shared)
+
+    def step(_):
+        if eval_mode:
+            with torch.no_grad():
+                return F.nll_loss(model(x), y)
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        if l_aux_wt:
+            loss = loss + l_aux_wt * layer.l_aux
+        loss.backward()
+        average_gradients(shared, world_size)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def tflops_printer(dist_print, args, num_global_experts: int, eval_mode: bool = False,
+                   top: Callable[[], int] = None, suffix: Callable[[], str] = lambda: ""):
+    """print_step(i, loss, seconds) writing Tutel's ``STEP-i: loss = ..., perf = ... tflops.`` line."""
+    def print_step(i, loss, seconds):
+        tflops = flops_tflops(args.batch_size, args.num_tokens, args.model_dim, args.hidden_size,
+                              top() if top else args.top, num_global_experts, seconds, eval_mode)
+        dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec, perf = %.2f tflops.%s"
+                   % (i, loss, seconds, tflops, suffix()))
+
+    return print_step
+
+
+def parser_for(doc: str, *flags: str, hidden_size: bool = True, **defaults) -> argparse.ArgumentParser:
+    """An argument parser with the common flags and the named optional ones (first doc line as description)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_common_flags(parser, hidden_size=hidden_size)
+    add_flags(parser, *flags, **defaults)
+    return parser
+
+
+class Run(NamedTuple):
+    """What an example needs from its environment."""
+
+    env: Any                  # tutel.system's parallel environment
+    dist_print: Callable      # prints on global rank 0 only
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def start(args) -> Run:
+    """Joins the processes (if launched with torchrun / mpiexec) and resolves device and dtype."""
+    env = init_parallel(args.device)
+    return Run(env, env.dist_print, env.global_size, env.local_device, DTYPES[args.dtype])
 
 
 def init_parallel(device: str):

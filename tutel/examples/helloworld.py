@@ -6,7 +6,6 @@
 The model is moe_layer -> sum over features -> log_softmax over tokens, trained with NLL towards
 token 0, so the loss falls step by step.
 """
-import argparse
 import os
 
 import torch
@@ -17,19 +16,9 @@ from tutel.examples import _common
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _common.add_common_flags(parser)
-    parser.add_argument("--fp32_gate", default=False, action="store_true")
-    parser.add_argument("--allreduce_degree", type=int, default=1, help="-1 disables the gradient all-reduce")
-    parser.add_argument("--parallel_type", type=str, default="adaptive:1")
-    parser.add_argument("--checkpoint_path", type=str, default="", help="pattern with {rank} and {size}")
-    parser.add_argument("--use_2dh", default=False, action="store_true")
-    parser.add_argument("--eval", default=False, action="store_true")
-    parser.add_argument("--capacity_factor", type=float, default=1.0)
-    parser.add_argument("--megablocks_size", type=int, default=0)
-    parser.add_argument("--use_tensorcore", default=False, action="store_true")
-    parser.add_argument("--expert_type", type=str, default="ffn")
-    return parser.parse_args(argv)
+    return _common.parser_for(__doc__, "fp32_gate", "allreduce_degree", "parallel_type", "checkpoint_path", "use_2dh",
+                              "eval", "capacity_factor", "megablocks_size", "use_tensorcore",
+                              "expert_type").parse_args(argv)
 
 
 class ExampleModel(torch.nn.Module):
@@ -64,12 +53,10 @@ class ExampleModel(torch.nn.Module):
 
 def main(argv=None):
     args = parse_args(argv)
-    parallel_env = _common.init_parallel(args.device)
-    rank, world_size, dist_print = parallel_env.global_rank, parallel_env.global_size, parallel_env.dist_print
-    device = parallel_env.local_device
+    parallel_env, dist_print, world_size, device, dtype = _common.start(args)
+    rank = parallel_env.global_rank
     if args.use_tensorcore:
         torch.backends.cuda.matmul.allow_tf32 = True
-    dtype = _common.DTYPES[args.dtype]
 
     model = ExampleModel(args, rank, dist_print).to(device=device, dtype=dtype)
     dist_print(model)
@@ -80,32 +67,13 @@ def main(argv=None):
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
     x, y = _common.synthetic_inputs(args.batch_size, args.num_tokens, args.model_dim, dtype, device)
-    dist_print("[Benchmark] world_size = %s, dtype = %s, model_dim = %s, hidden_size = %s, samples = %s, "
-               "num_local_experts = %s, topK = %s, a2a_ffn_overlap_degree = %s, parallel_type = `%s`, device = `%s`"
-               % (world_size, args.dtype, args.model_dim, args.hidden_size, args.batch_size * args.num_tokens,
-                  args.num_local_experts, args.top, args.a2a_ffn_overlap_degree, args.parallel_type, device))
-    shared = [] if args.allreduce_degree == -1 else _common.shared_parameters(model)
-    num_global_experts = model._moe_layer.num_global_experts
-
-    def step(_):
-        if args.eval:
-            with torch.no_grad():
-                return F.nll_loss(model(x), y)
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), y)
-        if args.l_aux_wt:
-            loss = loss + args.l_aux_wt * model._moe_layer.l_aux
-        loss.backward()
-        _common.average_gradients(shared, world_size)
-        optimizer.step()
-        return loss
-
-    def print_step(i, loss, seconds):
-        tflops = _common.flops_tflops(args.batch_size, args.num_tokens, args.model_dim, args.hidden_size, args.top,
-                                      num_global_experts, seconds, args.eval)
-        dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec, perf = %.2f tflops." % (i, loss, seconds, tflops))
-
-    times = _common.train_steps(args.num_steps, step, _common.make_record_time(args.device), print_step)
+    dist_print(_common.benchmark_line(args, world_size, device, args.parallel_type))
+    layer = model._moe_layer
+    step = _common.training_step(model, optimizer, x, y, layer, l_aux_wt=args.l_aux_wt, eval_mode=args.eval,
+                                 shared=[] if args.allreduce_degree == -1 else _common.shared_parameters(model),
+                                 world_size=world_size)
+    printer = _common.tflops_printer(dist_print, args, layer.num_global_experts, args.eval)
+    times = _common.train_steps(args.num_steps, step, _common.make_record_time(args.device), printer)
     dist_print(times.summary_line())
     if checkpoint:
         torch.save(model.state_dict(), checkpoint)

@@ -6,7 +6,6 @@ Shows the two extension points: gate_type={'type': 'custom', 'module': GateClass
 experts={'type': 'custom', 'module': ExpertClass, ...}.  Every option a custom module receives is
 logged as a warning, so you can see what the layer passes in.
 """
-import argparse
 import logging
 
 import torch
@@ -57,17 +56,12 @@ class CustomExpert(torch.nn.Module):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _common.add_common_flags(parser, hidden_size=False)
-    parser.add_argument("--eval", default=False, action="store_true")
-    return parser.parse_args(argv)
+    return _common.parser_for(__doc__, "eval", hidden_size=False).parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    parallel_env = _common.init_parallel(args.device)
-    dist_print, world_size = parallel_env.dist_print, parallel_env.global_size
-    dtype = _common.DTYPES[args.dtype]
+    parallel_env, dist_print, world_size, device, dtype = _common.start(args)
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -85,24 +79,13 @@ def main(argv=None):
         def forward(self, input):
             return F.log_softmax(torch.sum(self._moe_layer(input), dim=2), dim=1)
 
-    model = Model().to(device=parallel_env.local_device, dtype=dtype)
+    model = Model().to(device=device, dtype=dtype)
     dist_print(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
     x, y = _common.synthetic_inputs(args.batch_size, args.num_tokens, args.model_dim, dtype,
-                                    parallel_env.local_device)
-    shared = _common.shared_parameters(model)
-
-    def step(_):
-        if args.eval:
-            with torch.no_grad():
-                return F.nll_loss(model(x), y)
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), y) + args.l_aux_wt * model._moe_layer.l_aux
-        loss.backward()
-        _common.average_gradients(shared, world_size)
-        optimizer.step()
-        return loss
-
+                                    device)
+    step = _common.training_step(model, optimizer, x, y, model._moe_layer, l_aux_wt=args.l_aux_wt,
+                                 eval_mode=args.eval, shared=_common.shared_parameters(model), world_size=world_size)
     times = _common.train_steps(
         args.num_steps, step, _common.make_record_time(args.device),
         lambda i, loss, seconds: dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec." % (i, loss, seconds)))

@@ -3,17 +3,14 @@
 Each rule lives here once: the global expert count, the parallel type, the
 capacity alignment, and how gate / expert dicts turn into modules.
 """
-import copy
 import importlib
-import logging
 import os
 import re
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
-logger = logging.getLogger("tutel")
 
 GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t")
 _NAME = re.compile(r"^[a-zA-Z0-9_]+$")

@@ -1,9 +1,8 @@
 """The MoE layer: ``tutel.moe.moe_layer`` (class ``MOELayer``)."""
 import contextlib
-import logging
 import math
 import os
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,9 @@ from .layer_config import (
     reject_unknown_layer_arguments,
     valid_adaptive_rs,
 )
-from .state_loading import load_moe_state
+from .placement import Placement
+from .state_loading import load_moe_state, register_placement_record
 
-logger = logging.getLogger("tutel")
 
 
 def _default_group(group):
@@ -92,11 +91,8 @@ class MOELayer(torch.nn.Module):
         # which puts the count into state_dict.
         self._expert_count = global_expert_count(self.num_local_experts, self.world_size)
         self.register_buffer("_num_global_experts", torch.tensor(self._expert_count))
-        if self.num_global_experts < self.world_size:
-            self.sharded_count = self.world_size // self.num_global_experts
-            self.num_local_experts = 1
-        else:
-            self.sharded_count = 1
+        placement = Placement(self._expert_count, self.world_size)
+        self.sharded_count, self.num_local_experts = placement.sharded_count, placement.local_experts
         self.valid_rs = valid_adaptive_rs(self.sharded_count)
         self.adaptive_degree = parse_parallel_type(parallel_type, self.sharded_count)
         # Kept for code that reads Tutel's attributes; the layer never auto-selects.
@@ -125,6 +121,7 @@ class MOELayer(torch.nn.Module):
                 torch.manual_seed(seeds[0] + index)
             built_gates.append(build_gate(config, self.model_dim, self.num_global_experts))
         self.gates = torch.nn.ModuleList(built_gates)
+        register_placement_record(self)  # state_dict() records which process saved the experts
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
         if self.world_size > 1:
@@ -163,7 +160,7 @@ class MOELayer(torch.nn.Module):
         return y.reshape(y.size(0), y.size(1), math.prod(y.shape[2:]))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        load_moe_state(self, state_dict, prefix)
+        load_moe_state(self, state_dict, prefix, args[0] if args else None)  # args[0]: local_metadata
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward

@@ -1,19 +1,28 @@
-"""Loading an MoE layer's state_dict: Tutel checkpoints, legacy files and reshaped tensors."""
+"""Loading an MoE layer's state_dict: Tutel checkpoints, legacy files, reshaped tensors and
+gathered checkpoints (all experts in one file) on any number of processes."""
 import logging
 
 import torch
 
+from ..checkpoint.loading import local_expert_state, register_placement_record
+
 logger = logging.getLogger("tutel")
 
+__all__ = ["load_moe_state", "register_placement_record"]
 
-def load_moe_state(layer, state_dict, prefix: str) -> None:
+
+def load_moe_state(layer, state_dict, prefix: str, local_metadata=None) -> None:
     """Adjusts `state_dict` in place before the standard loading of `layer`'s entries.
 
     * A legacy checkpoint without ``_num_global_experts`` loads with a warning.
     * A checkpoint for a different number of global experts fails with a clear error.
     * Missing expert parameters are zero-filled with a warning (Tutel's behaviour).
-    * An expert tensor with the right number of elements but another shape is viewed to the
-      layer's shape (this is what lets re-sharded checkpoints load).
+    * An expert tensor with the layer's number of elements but another shape is viewed to
+      the layer's shape (Tutel's re-sharded checkpoints rely on it); a tensor holding all
+      global experts (a gathered checkpoint) is cut to this process's experts; any other
+      size fails, naming the parameter and the shapes.
+    * Experts recorded as saved by another process (another rank, or another world size)
+      are refused rather than loaded into the wrong place.
     """
     count_key = prefix + "_num_global_experts"
     if count_key not in state_dict:
@@ -33,11 +42,4 @@ def load_moe_state(layer, state_dict, prefix: str) -> None:
             logger.warning("Could not find parameter `%s` in state_dict, zero values will be filled into "
                            "this parameter.", key)
             state_dict[key] = torch.zeros_like(param)
-            continue
-        value = state_dict[key]
-        if value.shape != param.shape:
-            if value.numel() != param.numel():
-                raise ValueError(f"Failed to load `{key}`: checkpoint shape {tuple(value.shape)} "
-                                 f"({value.numel()} elements) does not fit the layer's shape "
-                                 f"{tuple(param.shape)} ({param.numel()} elements)")
-            state_dict[key] = value.reshape(param.shape)
+    local_expert_state(layer, state_dict, prefix, local_metadata)

@@ -41,7 +41,7 @@ def _gathered(param):
 
 def global_ffn(layer):
     """Float64 leaf copies of the global ffn weights [E, H, M], [E, H], [E, H, O], [E, O]."""
-    e, s, out = layer.num_global_experts, layer.sharded_count, layer.experts.output_dim
+    e, out = layer.num_global_experts, layer.experts.output_dim
     ex = layer.experts
     w1 = _gathered(ex.batched_fc1_w).reshape(e, -1, MODEL_DIM)
     b1 = _gathered(ex.batched_fc1_bias).reshape(e, -1)

@@ -1,0 +1,96 @@
+"""Writes docs/api.md from the docstrings and signatures of the public API.
+
+    python3 docs/generate_api.py            # rewrite docs/api.md
+    python3 docs/generate_api.py --check    # exit 1 if docs/api.md is out of date
+
+tests/python/test_docs_commands.py runs the check, so the reference follows the code.
+"""
+import importlib
+import inspect
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUTPUT = os.path.join(HERE, "api.md")
+
+# (section title, module, names or None for the module's __all__)
+SECTIONS = [
+    ("tutel.moe — the MoE layer and routing", "tutel.moe",
+     ["moe_layer", "MOELayer.forward", "top_k_routing", "fast_encode", "fast_decode", "fast_dispatcher",
+      "fast_cumsum_sub_one", "get_dispatch_count"]),
+    ("Gates (`gate_type={'type': ...}`)", "tutel.gates", ["top.LinearTopKGate", "cosine_top.CosineTopKGate"]),
+    ("Experts (`experts={'type': ...}`)", "tutel.experts", ["ffn.FusedExpertsNetwork", "llama_ffn.LlamaFFNNetwork"]),
+    ("tutel.net — collectives", "tutel.net", None),
+    ("tutel.system — processes and helpers", "tutel.system",
+     ["init_data_model_parallel", "get_local_session", "record_time", "cache", "LocalCache", "save", "load",
+      "apply_rank_size_from_pattern", "init_affinity_at_program_beginning"]),
+    ("tutel.checkpoint — checkpoints across world sizes", "tutel.checkpoint",
+     ["load_resharded", "gather_state_dicts", "scatter_state_dict", "reshard_state_dicts", "Placement",
+      "ExpertCoverageError", "ShapeError"]),
+]
+
+
+def _resolve(module, dotted):
+    obj = module
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            obj = importlib.import_module(f"{obj.__name__}.{part}")
+        else:
+            obj = getattr(obj, part)
+    return obj
+
+
+def _signature(obj):
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return "(...)"
+    parameters = [p for name, p in signature.parameters.items() if name != "self"]
+    text = str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
+    text = re.sub(r" at 0x[0-9a-f]+", "", text)  # default values that are functions
+    return re.sub(r"<function (\w+)>", r"\1", text)
+
+
+def _entry(module, name):
+    obj = _resolve(module, name)
+    kind = "class" if inspect.isclass(obj) else "function"
+    doc = inspect.getdoc(obj) or "(no docstring)"
+    if kind == "class" and obj.__init__ is not object.__init__ and inspect.getdoc(obj.__init__) \
+            and inspect.getdoc(obj.__init__) != inspect.getdoc(object.__init__):
+        doc += "\n\n" + inspect.getdoc(obj.__init__)
+    title = f"{module.__name__}.{name}"
+    return f"### `{title}{_signature(obj)}`\n\n```text\n{doc}\n```\n"
+
+
+def render() -> str:
+    parts = ["# API reference\n",
+             "Generated from the docstrings by `python3 docs/generate_api.py` (do not edit by hand). Tutel's "
+             "names, arguments and defaults; see [migration.md](migration.md) for the behaviour we changed.\n"]
+    for title, module_name, names in SECTIONS:
+        module = importlib.import_module(module_name)
+        parts.append(f"## {title}\n")
+        if inspect.getdoc(module):
+            parts.append(inspect.getdoc(module) + "\n")
+        for name in names if names is not None else sorted(module.__all__):
+            parts.append(_entry(module, name))
+    return "\n".join(parts)
+
+
+def main(argv) -> int:
+    sys.path.insert(0, os.path.dirname(HERE))
+    text = render()
+    if "--check" in argv:
+        with open(OUTPUT) as handle:
+            if handle.read() != text:
+                print("docs/api.md is out of date: run python3 docs/generate_api.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(OUTPUT, "w") as handle:
+        handle.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,200 @@
+"""Every command and code example in README.md, docs/ and examples/fairseq_moe/README.md is run
+here, or is named with the test (or CI step) that runs it.
+
+Commands are the lines of ```bash blocks (and lines starting with a command in plain ```
+blocks); code examples are ```python blocks.  Each must match exactly one rule below: RUN (run
+here, as written), COVERED (the named test exists and runs it, or the same thing with smaller
+sizes), CI (a step of tests/run_all.sh), or OUTSIDE (needs what no test machine has: a GPU, a
+fairseq checkout, the network).  A new command without a rule fails this test.
+"""
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PAGES = sorted(["README.md", "examples/fairseq_moe/README.md"] +
+               [os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True)])
+COMMAND_WORDS = ("python", "python3", "bash", "pip", "mpiexec", "torchrun", "compute-sanitizer", "git", "DS_BUILD_OPS",
+                 "MOE=", "FP16=")
+
+# (regex on the command, how it is exercised, detail)
+RULES = [
+    (r"^pip install --no-build-isolation \.$", "RUN", "test_pip_install_builds_an_importable_package"),
+    (r"^python3 -c .import tutel\.cuda", "RUN", "test_small_commands_run"),
+    (r"^python3 -m tutel\.checkpoint\.(gather|scatter) ", "RUN", "test_checkpoint_page_runs_as_written"),
+    (r"^bash examples/run_demo\.sh$", "COVERED",
+     "tests/python/test_examples_classifiers.py::test_moe_mnist_learns_the_bundled_digits"),
+    (r"^python3 -m tutel\.examples\.moe_mnist --device cpu", "COVERED",
+     "tests/python/test_examples_classifiers.py::test_moe_mnist_learns_the_bundled_digits"),
+    (r"^python3 -m tutel\.examples\.moe_mnist --mnist-dir", "COVERED",
+     "tests/python/test_examples_classifiers.py::test_moe_mnist_reads_a_local_mnist_copy"),
+    (r"^python3 -m tutel\.examples\.moe_cifar10 ", "COVERED",
+     "tests/python/test_examples_classifiers.py::test_moe_cifar10_reads_the_python_batches"),
+    (r"^python3 -m tutel\.examples\.helloworld --batch_size=16", "COVERED",
+     "tests/python/test_examples.py::test_helloworld_prints_tutel_lines_and_loss_falls"),
+    (r"^python3 -m tutel\.examples\.helloworld_switch ", "COVERED",
+     "tests/python/test_examples.py::test_helloworld_switch_cycles_settings"),
+    (r"^python3 -m tutel\.examples\.helloworld_custom_gate_expert ", "COVERED",
+     "tests/python/test_examples.py::test_custom_gate_expert_example_logs_options"),
+    (r"^python3 -m tutel\.examples\.helloworld_(from_scratch|amp) ", "COVERED",
+     "tests/python/test_examples.py::test_from_scratch_and_amp_examples"),
+    (r"^python3 -m torch\.distributed\.run --nproc_per_node=2 -m tutel\.examples\.helloworld ", "COVERED",
+     "tests/python/distributed/test_dist_layer_examples.py::test_data_parallel_variants_train_identically"),
+    (r"^mpiexec .*-m tutel\.launcher\.run ", "COVERED",
+     "tests/python/distributed/test_dist_launcher.py::test_mpiexec_launcher_starts_torchrun_on_every_host"),
+    (r"^mpiexec -n 2 python3 -m tutel\.examples", "COVERED",
+     "tests/python/distributed/test_dist_launcher.py::test_openmpi_rendezvous_without_the_launcher"),
+    (r"^python3 /path/to/tutel/examples/fairseq_moe/apply_patch\.py \.$", "COVERED",
+     "tests/python/test_fairseq_calls.py::test_apply_patch_inserts_the_calls_once"),
+    (r"^bash tests/run_all\.sh$", "CI", ".ci/run"),
+    (r"^bash tests/integration/deepspeed/run\.sh$", "CI", "tests/run_all.sh"),
+    (r"^DS_BUILD_OPS=0 pip install --no-deps deepspeed==|^pip install einops ", "CI",
+     "tests/integration/deepspeed/run.sh"),
+    (r"^git clone https://github\.com/facebookresearch/fairseq", "OUTSIDE", "a fairseq checkout (network)"),
+    (r"^pip install --no-build-isolation --editable \.", "OUTSIDE", "installs the fairseq checkout"),
+    (r"(MOE|FP16)=.* bash /path/to/tutel/examples/fairseq_moe/run_fairseq\.sh", "OUTSIDE",
+     "fairseq, WikiText-103 and 8 GPUs (the script's syntax is checked here)"),
+    (r"^compute-sanitizer ", "OUTSIDE", "a GPU (tests/python/test_cuda_ops.py runs without the sanitizer)"),
+    (r"^python benchmarks/cuda_kernels\.py", "OUTSIDE", "a GPU; a benchmark, not a test"),
+]
+PYTHON_RULES = [
+    ("from tutel import moe\n\nlayer = moe.moe_layer(", "RUN", "test_python_examples_run"),
+    ("checkpoint.load_resharded(model,", "RUN", "test_checkpoint_page_runs_as_written"),
+    ("from deepspeed.moe.layer import MoE", "COVERED",
+     "tests/integration/deepspeed/test_deepspeed_doc_example.py::test_documented_example_runs"),
+]
+
+
+def _blocks(page):
+    with open(os.path.join(REPO, page)) as handle:
+        return re.findall(r"^```(\w*)\n(.*?)^```", handle.read(), flags=re.S | re.M)
+
+
+def _commands(language, body):
+    joined = re.sub(r"\\\n\s*", " ", body)
+    for line in joined.splitlines():
+        first = line.split()[0] if line.split() else ""
+        if language in ("bash", "sh") or (language == "" and first.startswith(COMMAND_WORDS)):
+            words = shlex.split(line, comments=True)
+            if words:
+                yield " ".join(shlex.quote(w) if " " in w else w for w in words)
+
+
+def all_commands():
+    return [(page, command) for page in PAGES for language, body in _blocks(page)
+            for command in _commands(language, body)]
+
+
+def all_python():
+    return [(page, body) for page in PAGES for language, body in _blocks(page) if language == "python"]
+
+
+def _rule(text, rules, search):
+    matches = [rule for rule in rules if (re.search(rule[0], text) if search else rule[0] in text)]
+    assert len(matches) == 1, f"{text!r} matches {len(matches)} rules (needs exactly one): add or fix a rule"
+    return matches[0]
+
+
+def _check_covered(detail):
+    path, name = detail.split("::")
+    with open(os.path.join(REPO, path)) as handle:
+        assert re.search(rf"^def {name}\(", handle.read(), re.M), f"{detail} does not exist"
+
+
+def test_every_command_and_example_has_a_rule():
+    commands, examples = all_commands(), all_python()
+    assert len(commands) > 20 and len(examples) >= 4
+    for page, command in commands:
+        _, kind, detail = _rule(command, RULES, search=True)
+        if kind == "COVERED":
+            _check_covered(detail)
+        elif kind == "RUN":
+            assert detail in globals(), detail
+        elif kind == "CI":
+            assert os.path.exists(os.path.join(REPO, detail))
+    for page, body in examples:
+        _, kind, detail = _rule(body, PYTHON_RULES, search=False)
+        if kind == "COVERED":
+            _check_covered(detail)
+    with open(os.path.join(REPO, "tests", "run_all.sh")) as handle:
+        ci = handle.read()
+    assert "tests/integration/deepspeed/run.sh" in ci and "pytest" in ci
+
+
+def test_shell_scripts_named_in_the_docs_parse():
+    for script in ("examples/run_demo.sh", "examples/fairseq_moe/run_fairseq.sh", "tests/run_all.sh"):
+        result = subprocess.run(["bash", "-n", os.path.join(REPO, script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
+def test_api_reference_is_generated_from_the_current_docstrings():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "docs", "generate_api.py"), "--check"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+
+
+def test_small_commands_run():
+    ran = 0
+    for page, command in all_commands():
+        if _rule(command, RULES, search=True)[2] == "test_small_commands_run":
+            ran += 1
+            result = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=REPO, timeout=120,
+                                    env=dict(os.environ, PYTHONPATH=REPO))
+            assert result.returncode == 0, f"{page}: {command}\n{result.stderr}"
+    assert ran >= 1
+
+
+def test_python_examples_run():
+    ran = 0
+    for page, body in all_python():
+        if _rule(body, PYTHON_RULES, search=False)[2] == "test_python_examples_run":
+            namespace = {}
+            exec(compile(body, page, "exec"), namespace)
+            assert namespace["y"].shape == namespace["x"].shape
+            ran += 1
+    assert ran >= 2
+
+
+def test_checkpoint_page_runs_as_written(tmp_path, monkeypatch):
+    from tutel import checkpoint, moe
+    monkeypatch.chdir(tmp_path)
+    make = lambda: moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=6,  # noqa: E731
+                                 experts={"type": "ffn", "num_experts_per_device": 8, "hidden_size_per_expert": 4})
+    original = make()
+    os.mkdir("ckpt")
+    for rank, part in enumerate(checkpoint.scatter_state_dict(original.state_dict(), 8)):  # 8 processes' files
+        torch.save(part, f"ckpt/model-{rank}-of-8.pt")
+    commands = [c for page, c in all_commands() if page == "docs/checkpoints.md"]
+    assert [c.split()[2] for c in commands] == ["tutel.checkpoint.gather", "tutel.checkpoint.scatter"]
+    for command in commands:
+        result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, PYTHONPATH=REPO))
+        assert result.returncode == 0, result.stderr
+        assert "Model params have been" in result.stdout
+    assert len(glob.glob("ckpt/model-*-of-16.pt")) == 16
+    merged = make()
+    merged.load_state_dict(torch.load("ckpt/model-all.pt"))
+    (code,) = [body for page, body in all_python() if page == "docs/checkpoints.md"]
+    model = make()
+    exec(compile(code, "docs/checkpoints.md", "exec"), {"model": model})
+    for key, value in original.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value) and torch.equal(merged.state_dict()[key], value), key
+
+
+def test_pip_install_builds_an_importable_package(tmp_path):
+    pytest.importorskip("pip")
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                              "--target", str(target), "."], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert install.returncode == 0, install.stderr
+    check = subprocess.run([sys.executable, "-c", "import tutel, tutel.moe, tutel.checkpoint; print(tutel.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(target)))
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip().startswith(str(target))
