@@ -35,6 +35,8 @@ def parse_args(description: str, argv: Optional[Sequence[str]], default_reps: in
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON result")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--memory-rows", default=None, help=argparse.SUPPRESS)  # see add_memory
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)  # see measure_rows
+    parser.add_argument("--config-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reps is None:
         args.reps = 1 if args.smoke else default_reps
@@ -220,23 +222,55 @@ def format_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
 
 
 def measure_rows(configs: Sequence[tuple], time_row: Callable[..., Dict[str, object]], columns: Sequence[str],
-                 glibc_row: Optional[Callable[..., Dict[str, object]]] = None) -> List[Dict[str, object]]:
-    """Times every configuration in two phases, in this order because allocator settings
-    cannot be undone:
+                 glibc_row: Optional[Callable[..., Dict[str, object]]] = None,
+                 script: Optional[str] = None) -> List[Dict[str, object]]:
+    """Measures every configuration (see measure_config), printing each row as it comes.
 
-    1. ``glibc_row(*config)``, if given: figures under glibc's default malloc;
-    2. ``time_row(*config)``: the row, timed with freed memory kept for reuse
-       (retain_freed_memory), printed as it comes.
-
-    Timings taken after this call still run with retained memory; add_memory comes last."""
-    under_glibc = [glibc_row(*config) for config in configs] if glibc_row is not None else [{}] * len(configs)
-    retain_freed_memory()
+    With `script` (the benchmark's own file), each configuration runs in a fresh process
+    (`script --config ...`): the allocator's state left by one configuration (a heap fragmented
+    by other sizes) must not slow the next one down.  A smoke run measures in this process.
+    Afterwards this process, too, keeps freed memory for reuse."""
     rows: List[Dict[str, object]] = []
-    for config, extra in zip(configs, under_glibc):
-        rows.append(time_row(*config))
-        rows[-1].update(extra)
+    for config in configs:
+        if script is not None and _TUNE_ALLOCATOR:
+            rows.append(_measure_in_child(script, config))
+        else:
+            rows.append(measure_config(config, time_row, glibc_row))
         print(format_table(rows[-1:], columns).splitlines()[-1], flush=True)
+    retain_freed_memory()
     return rows
+
+
+def measure_config(config: Sequence, time_row: Callable[..., Dict[str, object]],
+                   glibc_row: Optional[Callable[..., Dict[str, object]]]) -> Dict[str, object]:
+    """One configuration in two phases, in this order because allocator settings cannot be
+    undone: ``glibc_row(*config)`` (if given) under glibc's default malloc, then the row itself,
+    ``time_row(*config)``, timed with freed memory kept for reuse (retain_freed_memory)."""
+    extra = glibc_row(*config) if glibc_row is not None else {}
+    retain_freed_memory()
+    row = time_row(*config)
+    row.update(extra)
+    return row
+
+
+def _measure_in_child(script: str, config: Sequence) -> Dict[str, object]:
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "row.json")
+        subprocess.run([sys.executable, script, "--config", json.dumps(list(config)), "--config-out", path,
+                        "--threads", str(torch.get_num_threads())], check=True)
+        with open(path) as handle:
+            return json.load(handle)
+
+
+def config_child(args: argparse.Namespace, time_row: Callable[..., Dict[str, object]],
+                 glibc_row: Optional[Callable[..., Dict[str, object]]] = None) -> bool:
+    """In a process measure_rows starts: measures args.config, writes the row, returns True."""
+    if not args.config:
+        return False
+    row = measure_config(json.loads(args.config), time_row, glibc_row)
+    with open(args.config_out, "w") as handle:
+        json.dump(row, handle)
+    return True
 
 
 def add_memory(rows: List[Dict[str, object]], memory_row: Callable[[Dict[str, object]], None],

@@ -15,8 +15,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from _common import (add_memory, interleaved_medians, load_average, measure_rows, memory_child, parse_args,
-                     peak_memory_mib, write_result)
+from _common import (add_memory, config_child, interleaved_medians, load_average, measure_rows, memory_child,
+                     parse_args, peak_memory_mib, write_result)
 from _models import clear_grads
 from tutel import moe
 
@@ -66,10 +66,9 @@ class DroplessCase:
         self.loads = [int(n) for n in self.layer.dispatch_count]
         experts_module = self.layer.experts
         # The ideal's experts: independent dense layers with the same weights.
-        self.ideal_weights = [
-            [p[e].detach().clone().requires_grad_() for p in (experts_module.batched_fc1_w, experts_module.batched_fc1_bias,
-                                                             experts_module.batched_fc2_w, experts_module.batched_fc2_bias)]
-            for e in range(experts)]
+        params = (experts_module.batched_fc1_w, experts_module.batched_fc1_bias, experts_module.batched_fc2_w,
+                  experts_module.batched_fc2_bias)
+        self.ideal_weights = [[p[e].detach().clone().requires_grad_() for p in params] for e in range(experts)]
         self.inputs = self.make_inputs()
 
     def make_inputs(self) -> Dict[str, object]:
@@ -135,11 +134,11 @@ COLUMNS = ["T", "M", "H", "E", "k", "routing", "busiest_share", "real_rows", "pa
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
-    if memory_child(args, measure_memory):
+    if config_child(args, measure, measure_glibc) or memory_child(args, measure_memory):
         return {}
     configs = [(shape, routing, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
                for routing in ("zipf", "uniform")]
-    rows = measure_rows(configs, measure, COLUMNS, glibc_row=measure_glibc)
+    rows = measure_rows(configs, measure, COLUMNS, glibc_row=measure_glibc, script=__file__)
     add_memory(rows, measure_memory, COLUMNS, __file__)
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "zipf_exponent": ZIPF_EXPONENT}
     write_result(args.out, "dropless", result, args.smoke)

@@ -10,8 +10,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import (add_memory, interleaved_medians, load_average, measure_rows, memory_child, parse_args,
-                     peak_memory_mib, write_result)
+from _common import (add_memory, config_child, interleaved_medians, load_average, measure_rows, memory_child,
+                     parse_args, peak_memory_mib, write_result)
 from _models import LayerCase, time_case, time_case_under_glibc
 
 # (T, M, H, E, k)
@@ -77,11 +77,11 @@ COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms",
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
-    if memory_child(args, measure_memory):
+    if config_child(args, measure_time, measure_glibc) or memory_child(args, measure_memory):
         return {}
     configs = [(shape, dtype_name, args.reps) for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
                for dtype_name in DTYPES]
-    rows = measure_rows(configs, measure_time, COLUMNS, glibc_row=measure_glibc)
+    rows = measure_rows(configs, measure_time, COLUMNS, glibc_row=measure_glibc, script=__file__)
     profiled = SMOKE_SHAPES[0] if args.smoke else PROFILED_SHAPE
     timing = {"roofline": roofline(args.reps, args.smoke),
               "profile": {"shape": dict(zip("TMHEk", profiled)), "ms_per_step": profile_ops(profiled, args.reps)}}

@@ -118,9 +118,13 @@ def budget_rows(layer: dict) -> List[dict]:
     for item in kernel_budget(profile["shape"]):
         ms = sum(measured.get(op, 0.0) for op in item["ops"])
         covered += ms
-        bound = item["flops"] / (roof["gemm_gflops"] * 1e9) if item["gemm"] else item["bytes"] / (roof["copy_gbps"] * 1e9)
+        if item["gemm"]:
+            bound = item["flops"] / (roof["gemm_gflops"] * 1e9)
+        else:
+            bound = item["bytes"] / (roof["copy_gbps"] * 1e9)
         rows.append({"kernel": item["kernel"], "MB": item["bytes"] / 1e6, "MFLOP": item["flops"] / 1e6,
-                     "bound_ms": bound * 1e3, "measured_ms": ms, "measured/bound": ms / (bound * 1e3) if bound else None})
+                     "bound_ms": bound * 1e3, "measured_ms": ms,
+                     "measured/bound": ms / (bound * 1e3) if bound else None})
     rest = sum(measured.values()) - covered
     rows.append({"kernel": "everything else (small ops, autograd, Python)", "measured_ms": rest})
     return rows
@@ -178,12 +182,14 @@ Each script prints its table and writes `benchmarks/results/<name>.json`; `repor
 page and its plots from those files.  `--smoke` runs any script at tiny sizes with one repetition
 (CI does this, so the scripts cannot rot); `--threads` sets `torch.set_num_threads` (default 2).
 
-**How timings are taken.**  All candidates of one configuration are built in the same process and
-timed in turn within every repetition (interleaved), and each reports its median; the comparisons
-are ratios between candidates of the same run.  The machine is shared, so the 1-minute load average
-at the start of each measurement is recorded next to it.  A step is forward plus backward with a
-random upstream gradient (`y.sum()` would hand PyTorch a stride-0 gradient and favour some kernels),
-parameter gradients cleared to `None` first.
+**How timings are taken.**  Each configuration runs in a fresh process, in which all its candidates
+are timed in turn within every repetition (interleaved), and each reports its median; the
+comparisons are ratios between candidates of the same run.  The machine is shared, so every
+measurement records *foreign_cpus*: how many CPUs other processes kept busy meanwhile (system busy
+time minus the benchmark's own CPU time, per second; 0 is a quiet machine, 2 means the two cores
+were fully contended).  A step is forward plus backward with a random upstream gradient (`y.sum()`
+would hand PyTorch a stride-0 gradient and favour some kernels), parameter gradients cleared to
+`None` first.
 
 **The candidates.**  *layer*: `tutel.moe.moe_layer` with the `top` gate (capacity factor 1) and
 `ffn` experts (ReLU).  *ideal*: only what the layer must compute - the gate GEMM and the same expert
@@ -194,8 +200,8 @@ checked against the layer's before timing (`naive_max_abs_diff` in the JSON).
 
 **Peak memory** is the resident set's high-water mark (`/proc/self/status` `VmHWM`, reset through
 `/proc/self/clear_refs`) during one step above the resident set at its start, with the step's inputs
-and upstream gradients created inside the window.  It is measured after all timings with glibc
-told to mmap large blocks and return freed memory, so that the resident set follows the live
+and upstream gradients created inside the window.  It is measured in a separate process in which
+glibc mmaps every large block and returns it when freed, so that the resident set follows the live
 tensors.
 """
 
@@ -258,7 +264,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
             shape = layer["profile"]["shape"]
             roof = layer["roofline"]
             parts.append(
-                f"Measured: one layer step (forward + backward, fp32) at T={shape['T']}, M={shape['M']}, H={shape['H']}, "
+                "Measured: one layer step (forward + backward, fp32) at "
+                f"T={shape['T']}, M={shape['M']}, H={shape['H']}, "
                 f"E={shape['E']}, k={shape['k']}.  *bound* is the time the kernel needs at this machine's measured "
                 f"rates: {roof['gemm_gflops']:.0f} GFLOP/s for an fp32 GEMM and {roof['copy_gbps']:.1f} GB/s for a "
                 "tensor copy (read + write); GEMM groups are bounded by FLOPs, the others by bytes.  *measured* is "
@@ -275,7 +282,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                              for p in written)
         sweep_t, sweep_e = scaling["token_sweep"], scaling["expert_sweep"]
         parts.append("## Scaling\n\n"
-                     f"Token sweep: M={sweep_t['M']}, H={sweep_t['H']}, E={sweep_t['E']}, k={sweep_t['k']}.  Expert sweep: "
+                     f"Token sweep: M={sweep_t['M']}, H={sweep_t['H']}, E={sweep_t['E']}, k={sweep_t['k']}.  "
+                     "Expert sweep: "
                      f"T*k={sweep_e['choices']} routed choices, M={sweep_e['M']}, H={sweep_e['H']} (k=1 for one "
                      "expert, else 2).  The naive layer is left out where its [T, E, C] tensors would exceed 1 GiB.\n\n"
                      + pictures + "\n\n" + format_table(scaling["rows"], scaling["columns"]))
@@ -291,8 +299,9 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                      + "\n\nRouting (`route_topk` = top-k plus GShard slot assignment; `_bpr` = batch-prioritized, "
                        "which adds a stable sort by score):\n\n"
                      + format_table(dispatch["routing"], columns["routing"])
-                     + "\n\nRouting metadata (indices, locations and gates as k x [T], counts as [E]) against k dense "
-                       "float32 [T, E] masks; *routing_peak_mib* is what `top_k_routing` adds above its [T, E] input:\n\n"
+                     + "\n\nRouting metadata (indices, locations and gates as k x [T], counts as [E]) against k "
+                       "dense float32 [T, E] masks; *routing_peak_mib* is what `top_k_routing` adds above its "
+                       "[T, E] input:\n\n"
                      + format_table([dispatch["metadata"]], columns["metadata"]))
     dropless = results.get("dropless")
     if dropless:
@@ -320,9 +329,12 @@ NOTES = """## Notes
   for reuse (`mallopt(M_MMAP_MAX, 0)`, no trimming), which is what the caching allocators that
   PyTorch recommends for CPU training (jemalloc, tcmalloc) do; the layer and dropless benchmarks
   also report their ratios under glibc's defaults (`*_glibc` columns), measured first in the same
-  process.  Peak memory is measured last, with large blocks mmap'd again.
+  process.
 * **Vectorised kernels.**  The dispatch kernels pick AVX2 + F16C code at run time when the CPU has
   it (the build cannot assume `-march=native`); results are bitwise the same as the portable code.
+* **Threads.**  The extension is compiled with `-fopenmp`: PyTorch's `at::parallel_for` expands to
+  an OpenMP pragma inside the extension's own code, so without the flag every kernel ran on one
+  thread whatever `torch.set_num_threads` said.
 * **Dropless.**  The grouped path reads the expert loads on the host once per call (the shapes
   depend on them), as the padded dropless path does for its capacity.
 """

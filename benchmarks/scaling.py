@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from _common import format_table, load_average, measure_rows, parse_args, write_result
+from _common import config_child, format_table, load_average, measure_rows, parse_args, write_result
 from _models import LayerCase, time_case
 
 # T sweep: E = 64 experts of the layer benchmark's 64-expert shape.
@@ -42,6 +42,8 @@ COLUMNS = ["sweep", "T", "E", "k", "M", "H", "C", "layer_ms", "ideal_ms", "naive
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=5)
+    if config_child(args, measure):
+        return {}
     token_sweep = SMOKE_TOKEN_SWEEP if args.smoke else TOKEN_SWEEP
     expert_sweep = SMOKE_EXPERT_SWEEP if args.smoke else EXPERT_SWEEP
     configs = []
@@ -52,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         top_k = 1 if experts == 1 else 2
         configs.append((expert_sweep["choices"] // top_k, expert_sweep["M"], expert_sweep["H"], experts, top_k,
                         args.reps, "experts"))
-    rows = measure_rows(configs, measure, COLUMNS)
+    rows = measure_rows(configs, measure, COLUMNS, script=__file__)
     print(format_table(rows, COLUMNS))
     result = {"rows": rows, "reps": args.reps, "columns": COLUMNS, "token_sweep": token_sweep,
               "expert_sweep": expert_sweep}
