@@ -116,8 +116,10 @@ class Medians(dict):
     foreign_cpus: Optional[float] = None
 
 
-def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> Medians:
-    """Median seconds per call of each candidate; every round runs each candidate once, in turn."""
+def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> Medians:
+    """Median seconds per call of each candidate; every round runs each candidate once, in turn.
+
+    The warm-up rounds also let the allocator's heap grow to what the candidates need together."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
@@ -142,14 +144,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _TUNE_ALLOCATOR = True
 
 
-def _mallopt(*settings) -> None:
+def _mallopt(*settings, trim: bool = False) -> None:
     if not _TUNE_ALLOCATOR:
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
         for parameter, value in settings:
             libc.mallopt(parameter, value)
-        libc.malloc_trim(0)
+        if trim:
+            libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -173,7 +176,7 @@ def use_mmap_for_large_blocks(threshold: int = 1 << 16) -> None:
 
     Call it after the timings: it also makes every large allocation fault its pages in afresh,
     which is not how the library runs by default."""
-    _mallopt((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, threshold), (_M_TRIM_THRESHOLD, threshold))
+    _mallopt((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, threshold), (_M_TRIM_THRESHOLD, threshold), trim=True)
 
 
 def _status_kib(field: str) -> Optional[int]:

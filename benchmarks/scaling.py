@@ -23,8 +23,6 @@ TOKEN_SWEEP = dict(M=512, H=256, E=64, k=2, T=[512, 1024, 2048, 4096, 8192, 1638
 EXPERT_SWEEP = dict(M=256, H=128, choices=8192, E=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
 SMOKE_TOKEN_SWEEP = dict(M=16, H=16, E=4, k=2, T=[32, 64])
 SMOKE_EXPERT_SWEEP = dict(M=16, H=8, choices=64, E=[1, 4])
-# Fewer repetitions where one step takes long.
-LONG_STEP_TOKENS = 16384
 
 
 def measure(tokens: int, model_dim: int, hidden: int, experts: int, top_k: int, reps: int,
@@ -48,8 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     expert_sweep = SMOKE_EXPERT_SWEEP if args.smoke else EXPERT_SWEEP
     configs = []
     for tokens in token_sweep["T"]:
-        reps = max(1, args.reps // 2) if tokens >= LONG_STEP_TOKENS else args.reps
-        configs.append((tokens, token_sweep["M"], token_sweep["H"], token_sweep["E"], token_sweep["k"], reps, "tokens"))
+        configs.append((tokens, token_sweep["M"], token_sweep["H"], token_sweep["E"], token_sweep["k"], args.reps,
+                        "tokens"))
     for experts in expert_sweep["E"]:
         top_k = 1 if experts == 1 else 2
         configs.append((expert_sweep["choices"] // top_k, expert_sweep["M"], expert_sweep["H"], experts, top_k,
