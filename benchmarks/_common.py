@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,9 +112,11 @@ class ForeignLoad:
 
 class Medians(dict):
     """Median seconds per candidate, plus ``foreign_cpus``: the CPUs other processes kept busy
-    meanwhile (see ForeignLoad)."""
+    meanwhile (see ForeignLoad), and ``faults``: each candidate's median page faults per call
+    (first touches of fresh memory, which the kernel must zero)."""
 
     foreign_cpus: Optional[float] = None
+    faults: Dict[str, float] = {}
 
 
 def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> Medians:
@@ -124,14 +127,18 @@ def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, 
         for fn in candidates.values():
             fn()
     samples: Dict[str, List[float]] = {name: [] for name in candidates}
+    faults: Dict[str, List[int]] = {name: [] for name in candidates}
     with ForeignLoad() as foreign:
         for _ in range(reps):
             for name, fn in candidates.items():
+                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - start)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     medians = Medians((name, statistics.median(values)) for name, values in samples.items())
     medians.foreign_cpus = foreign.value
+    medians.faults = {name: statistics.median(values) for name, values in faults.items()}
     return medians
 
 

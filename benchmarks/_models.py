@@ -5,6 +5,7 @@ dispatch and combine are one-hot einsums over [tokens, experts, capacity].
 All three share the same gate weight and expert module, so they compute the same function
 (the naive layer's output is checked against moe_layer's before timing).
 """
+import resource
 import types
 from typing import Callable, Dict, Optional
 
@@ -154,6 +155,8 @@ def time_case(case: LayerCase, reps: int, naive_limit_bytes: Optional[int] = 2 <
         row["naive_max_abs_diff"] = case.naive_difference()
     times = interleaved_medians(case.steps(include_naive=with_naive), reps)
     row["foreign_cpus"] = times.foreign_cpus
+    # Fresh memory the layer's step touches beyond the ideal's.
+    row["extra_fault_mib"] = (times.faults["layer"] - times.faults["ideal"]) * resource.getpagesize() / 2**20
     for name, seconds in times.items():
         row[f"{name}_ms"] = seconds * 1e3
     row["layer/ideal"] = times["layer"] / times["ideal"]

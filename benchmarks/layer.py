@@ -72,7 +72,7 @@ def roofline(reps: int, smoke: bool) -> Dict[str, float]:
 
 COLUMNS = ["T", "M", "H", "E", "k", "dtype", "layer_ms", "ideal_ms", "naive_ms", "layer/ideal", "layer/ideal_glibc",
            "naive/layer", "tokens_per_s", "layer_peak_mib", "ideal_peak_mib", "naive_peak_mib", "layer_mem/ideal_mem",
-           "foreign_cpus"]
+           "extra_fault_mib", "foreign_cpus"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:

@@ -330,6 +330,11 @@ NOTES = """## Notes
   PyTorch recommends for CPU training (jemalloc, tcmalloc) do; the layer and dropless benchmarks
   also report their ratios under glibc's defaults (`*_glibc` columns), measured first in the same
   process.
+* **Fresh pages.**  *extra_fault_mib* is the memory the layer's step faults in (first touches,
+  zero-filled by the kernel) beyond the ideal's.  It is near zero while freed memory is reused;
+  where it is not (the largest token counts, whose `[E, C, M]` buffers are hundreds of MiB and do
+  not fit back into the fragmented heap), the ratio there measures the page faults (expensive in
+  this VM: a few microseconds per 4 KiB page) more than the layer's own work.
 * **Vectorised kernels.**  The dispatch kernels pick AVX2 + F16C code at run time when the CPU has
   it (the build cannot assume `-march=native`); results are bitwise the same as the portable code.
 * **Threads.**  The extension is compiled with `-fopenmp`: PyTorch's `at::parallel_for` expands to

@@ -35,7 +35,7 @@ def measure(tokens: int, model_dim: int, hidden: int, experts: int, top_k: int, 
 
 
 COLUMNS = ["sweep", "T", "E", "k", "M", "H", "C", "layer_ms", "ideal_ms", "naive_ms", "layer/ideal", "naive/layer",
-           "tokens_per_s", "foreign_cpus"]
+           "tokens_per_s", "extra_fault_mib", "foreign_cpus"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
