@@ -156,7 +156,10 @@ def plot_scaling(scaling: dict, images: str) -> List[str]:
         ratio.plot(xs, [r["layer/ideal"] for r in rows], "o-")
         ratio.set(xscale="log", xlabel=label, ylabel="moe_layer / ideal")
         ratio.grid(True, which="both", alpha=0.3)
-        figure.suptitle(f"fp32, forward + backward (load average {rows[0].get('load_before', '?')} at the first point)")
+        foreign = max((r.get("foreign_cpus") or 0) for r in rows)
+        figure.suptitle(f"fp32, forward + backward, {scaling['machine']['torch_threads']} threads "
+                        f"(other processes: at most {foreign:g} CPUs busy)")
+        ratio.set_ylim(bottom=min(1.0, min(r["layer/ideal"] for r in rows)))
         figure.tight_layout()
         path = os.path.join(images, f"performance_scaling_{sweep}.png")
         figure.savefig(path, dpi=90)
@@ -243,10 +246,12 @@ def machine_section(results: Dict[str, dict]) -> str:
     lines = ["## Machine", "", f"* CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs), PyTorch capability "
              f"{m.get('cpu_capability', '?')}", f"* torch {m['torch']}, Python {m['python']}, {m['os']}",
              f"* torch threads: {m['torch_threads']}", ""]
-    lines.append("| benchmark | finished | repetitions | load average after |")
+    lines.append("| benchmark | finished | repetitions | most foreign CPUs during a measurement |")
     lines.append("|---|---|---|---|")
     for name, result in results.items():
-        lines.append(f"| {name} | {result['finished']} | {result.get('reps')} | {result.get('load_average_after')} |")
+        rows = [row for key in ("rows", "dispatch", "routing") for row in result.get(key, [])]
+        foreign = [row["foreign_cpus"] for row in rows if row.get("foreign_cpus") is not None]
+        lines.append(f"| {name} | {result['finished']} | {result.get('reps')} | {max(foreign) if foreign else ''} |")
     return "\n".join(lines)
 
 
