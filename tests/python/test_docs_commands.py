@@ -62,6 +62,8 @@ RULES = [
      "fairseq, WikiText-103 and 8 GPUs (the script's syntax is checked here)"),
     (r"^compute-sanitizer ", "OUTSIDE", "a GPU (tests/python/test_cuda_ops.py runs without the sanitizer)"),
     (r"^python benchmarks/cuda_kernels\.py", "OUTSIDE", "a GPU; a benchmark, not a test"),
+    (r"^python benchmarks/layer\.py && .* && python benchmarks/report\.py$", "COVERED",
+     "tests/python/test_benchmarks_smoke.py::test_report_rebuilds_the_page_from_smoke_results"),
 ]
 PYTHON_RULES = [
     ("from tutel import moe\n\nlayer = moe.moe_layer(", "RUN", "test_python_examples_run"),
