@@ -74,6 +74,19 @@ def grouped_apply(x: torch.Tensor, rows: List[int],
     return torch.stack(pieces, dim=0)
 
 
+def run_padded(x: torch.Tensor, ctx, compute: Callable, model_dim: int, output_dim: int) -> torch.Tensor:
+    """Runs an expert computation on a padded [L, C, *features] buffer: ``compute(h, group_rows)``
+    on [L, C, model_dim] (group_rows None), or only on each expert's occupied rows when the call
+    has ``megablocks_size > 0``; the result takes the token shape of `x` back."""
+    features = flatten_features(x, model_dim, output_dim)
+    if getattr(ctx, "megablocks_size", 0) > 0:
+        rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
+        y = grouped_apply(features, rows, compute)
+    else:
+        y = compute(features, None)
+    return y.view(x.shape) if x.dim() > 3 else y
+
+
 def flatten_features(x: torch.Tensor, model_dim: int, output_dim: int, batch_dims: int = 2) -> torch.Tensor:
     """[*batch, *features] -> [*batch, model_dim] (batch = [L, tokens], or [rows] when grouped).
 

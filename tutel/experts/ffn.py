@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import expert_linear
-from ._grouped import flatten_features, grouped_apply, occupied_rows
+from ._grouped import flatten_features, run_padded
 
 
 class FusedExpertsNetwork(torch.nn.Module):
@@ -104,13 +104,8 @@ class FusedExpertsNetwork(torch.nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if self.skip_expert:
             return x
-        features = flatten_features(x, self.model_dim, self.output_dim)
-        if getattr(ctx, "megablocks_size", 0) > 0:
-            rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
-            y = grouped_apply(features, rows, lambda packed, group_rows: self._mlp(packed, ctx, group_rows))
-        else:
-            y = self._mlp(features, ctx)
-        return y.view(x.shape) if x.dim() > 3 else y
+        return run_padded(x, ctx, lambda h, group_rows: self._mlp(h, ctx, group_rows), self.model_dim,
+                          self.output_dim)
 
     def forward_grouped(self, x: torch.Tensor, group_rows, ctx) -> torch.Tensor:
         """x: [N, *features] rows grouped by local expert (group_rows[e] rows each) -> [N, *out]."""

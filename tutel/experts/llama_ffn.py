@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import expert_linear
-from ._grouped import flatten_features, grouped_apply, occupied_rows
+from ._grouped import flatten_features, run_padded
 
 
 class LlamaFFNNetwork(torch.nn.Module):
@@ -56,18 +56,14 @@ class LlamaFFNNetwork(torch.nn.Module):
         return expert_linear(self.activation_fn(gate) * up, w3, group_rows=group_rows)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        features = flatten_features(x, self.model_dim, self.model_dim)
-        if getattr(ctx, "megablocks_size", 0) > 0:
-            rows = occupied_rows(ctx.local_dispatch_count, features.shape[1], ctx.megablocks_size)
-            y = grouped_apply(features, rows, lambda packed, group_rows: self._swiglu(packed, ctx, group_rows))
-        else:
-            y = self._swiglu(features, ctx)
+        y = run_padded(x, ctx, lambda h, group_rows: self._swiglu(h, ctx, group_rows), self.model_dim,
+                       self.model_dim)
         replicas = getattr(ctx, "adaptive_degree", 1)
         if getattr(ctx, "world_size", 1) > 1 and self.sharded_count > 1 and replicas > 1:
             # These experts gather the whole expert instead of splitting the hidden dim, so each of
             # the r replicas of a token computes the full output; the layer sums the replicas.
             y = y / replicas
-        return y.view(x.shape) if x.dim() > 3 else y
+        return y
 
     def forward_grouped(self, x: torch.Tensor, group_rows, ctx) -> torch.Tensor:
         """x: [N, *features] rows grouped by local expert (group_rows[e] rows each) -> same shape."""
