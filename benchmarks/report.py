@@ -181,6 +181,9 @@ python benchmarks/layer.py && python benchmarks/scaling.py && python benchmarks/
   && python benchmarks/dropless.py && python benchmarks/report.py
 ```
 
+(the exchange table at the end comes from `PYTHONPATH=. python -m torch.distributed.run --standalone
+--nproc_per_node=2 benchmarks/dist_alltoall.py`, run before `report.py`)
+
 Each script prints its table and writes `benchmarks/results/<name>.json`; `report.py` rebuilds this
 page and its plots from those files.  `--smoke` runs any script at tiny sizes with one repetition
 (CI does this, so the scripts cannot rot); `--threads` sets `torch.set_num_threads` (default 2).
@@ -241,6 +244,7 @@ the GEMMs have 2H / s or more FLOPs per byte and are bounded by the FLOP rate.
 
 
 def machine_section(results: Dict[str, dict]) -> str:
+    results = {name: result for name, result in results.items() if name in BENCHMARKS}
     any_result = next(iter(results.values()))
     m = any_result["machine"]
     lines = ["## Machine", "", f"* CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs), PyTorch capability "
@@ -253,6 +257,19 @@ def machine_section(results: Dict[str, dict]) -> str:
         foreign = [row["foreign_cpus"] for row in rows if row.get("foreign_cpus") is not None]
         lines.append(f"| {name} | {result['finished']} | {result.get('reps')} | {max(foreign) if foreign else ''} |")
     return "\n".join(lines)
+
+
+def exchange_section(exchange: dict) -> str:
+    return ("## Expert-parallel exchange (gloo, CPU)\n\n"
+            f"`benchmarks/dist_alltoall.py` under `torch.distributed.run` with {exchange['world_size']} processes of "
+            f"{exchange['threads']} thread(s), timing the forward exchange of an `[E, C, M]` float32 expert buffer.  "
+            "*raw*: `all_to_all_single` of the same bytes into a preallocated buffer (no allocation, no "
+            "re-layout: a floor, not an equivalent).  *plain*: the same exchange in plain PyTorch, "
+            "`all_to_all_single` into a fresh tensor then the `[W, E/W, C, M] -> [E/W, W*C, M]` re-layout the "
+            "layer needs.  *net*: `tutel.net.all_to_all(y, 1, 0)`.  *overlap4*: the overlapped layer's "
+            "exchange, four chunks started in the background and then awaited (nothing to overlap with here, so "
+            "this is its cost, not its gain).  Best of three interleaved medians.\n\n"
+            + format_table(exchange["rows"], exchange["columns"]))
 
 
 def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
@@ -318,6 +335,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                      "Skewed routing (`zipf`): every token picks expert 0 and a second expert from a Zipf law "
                      f"(exponent {dropless['zipf_exponent']}).\n\n"
                      + format_table(dropless["rows"], dropless["columns"]))
+    if results.get("dist_alltoall"):
+        parts.append(exchange_section(results["dist_alltoall"]))
     parts.append(NOTES)
     return "\n\n".join(parts) + "\n"
 
@@ -357,6 +376,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--images", default=IMAGES, help="directory for the PNG plots")
     args = parser.parse_args(argv)
     results = load_results(args.results)
+    exchange_path = os.path.join(args.results, "dist_alltoall.json")  # optional: it needs several processes
+    if results and os.path.exists(exchange_path):
+        with open(exchange_path) as handle:
+            results["dist_alltoall"] = json.load(handle)
     if not results:
         raise SystemExit(f"no benchmark results in {args.results}; run the benchmarks first")
     text = document(results, args.images, args.doc)

@@ -3,6 +3,7 @@ report is rebuilt from it, so the suite in benchmarks/ cannot rot.  No timing is
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -63,3 +64,19 @@ def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
         assert heading in text
     for sweep in ("tokens", "experts"):
         assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0
+
+
+def test_dist_alltoall_smoke_run_on_two_processes(tmp_path):
+    """The all-to-all benchmark needs real processes: it runs under torch.distributed.run."""
+    repo = os.path.dirname(BENCHMARKS_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", TUTEL_GLOBAL_TIMEOUT_SEC="60")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(BENCHMARKS_DIR, "dist_alltoall.py"), "--smoke", "--out", str(tmp_path)]
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-4000:]
+    with open(tmp_path / "dist_alltoall.json") as handle:
+        written = json.load(handle)
+    assert written["world_size"] == 2 and written["smoke"] is True
+    for row in written["rows"]:
+        assert all(row[key] > 0 for key in ("raw_ms", "plain_ms", "net_ms", "overlap4_ms"))
