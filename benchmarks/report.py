@@ -181,8 +181,11 @@ python benchmarks/layer.py && python benchmarks/scaling.py && python benchmarks/
   && python benchmarks/dropless.py && python benchmarks/report.py
 ```
 
-(the exchange table at the end comes from `PYTHONPATH=. python -m torch.distributed.run --standalone
---nproc_per_node=2 benchmarks/dist_alltoall.py`, run before `report.py`)
+The exchange table at the end needs several processes; run this before `report.py`:
+
+```
+PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/dist_alltoall.py
+```
 
 Each script prints its table and writes `benchmarks/results/<name>.json`; `report.py` rebuilds this
 page and its plots from those files.  `--smoke` runs any script at tiny sizes with one repetition

@@ -20,7 +20,7 @@ import torch
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PAGES = sorted(["README.md", "examples/fairseq_moe/README.md"] +
                [os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True)])
-COMMAND_WORDS = ("python", "python3", "bash", "pip", "mpiexec", "torchrun", "compute-sanitizer", "git", "DS_BUILD_OPS",
+COMMAND_WORDS = ("PYTHONPATH=", "python", "python3", "bash", "pip", "mpiexec", "torchrun", "compute-sanitizer", "git", "DS_BUILD_OPS",
                  "MOE=", "FP16=")
 
 # (regex on the command, how it is exercised, detail)
@@ -64,6 +64,8 @@ RULES = [
     (r"^python benchmarks/cuda_kernels\.py", "OUTSIDE", "a GPU; a benchmark, not a test"),
     (r"^python benchmarks/layer\.py && .* && python benchmarks/report\.py$", "COVERED",
      "tests/python/test_benchmarks_smoke.py::test_report_rebuilds_the_page_from_smoke_results"),
+    (r"^PYTHONPATH=\. python -m torch\.distributed\.run .*benchmarks/dist_alltoall\.py$", "COVERED",
+     "tests/python/test_benchmarks_smoke.py::test_dist_alltoall_smoke_run_on_two_processes"),
 ]
 PYTHON_RULES = [
     ("from tutel import moe\n\nlayer = moe.moe_layer(", "RUN", "test_python_examples_run"),
