@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <random>
 #include <vector>
 
@@ -15,6 +16,11 @@ namespace {
 struct Case {
   int64_t tokens, experts, k, capacity, M;
 };
+
+// Names the case in test output instead of dumping its bytes.
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << "T=" << c.tokens << " E=" << c.experts << " k=" << c.k << " C=" << c.capacity << " M=" << c.M;
+}
 
 struct Routing {
   std::vector<int32_t> indices, locations;

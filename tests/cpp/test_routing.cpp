@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <vector>
 
@@ -55,6 +56,11 @@ void brute_locations(const std::vector<int32_t>& indices, int64_t tokens, int64_
 struct Shape {
   int64_t tokens, experts, k;
 };
+
+// Names the case in test output ("T=37 E=7 k=2") instead of dumping its bytes.
+void PrintTo(const Shape& s, std::ostream* out) {
+  *out << "T=" << s.tokens << " E=" << s.experts << " k=" << s.k;
+}
 
 }  // namespace
 
