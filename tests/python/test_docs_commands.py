@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -202,3 +203,27 @@ def test_pip_install_builds_an_importable_package(tmp_path):
                            env=dict(os.environ, PYTHONPATH=str(target)))
     assert check.returncode == 0, check.stderr
     assert check.stdout.strip().startswith(str(target))
+
+
+def test_editable_install_imports_from_the_source_tree(tmp_path):
+    """`pip install -e .` (README's install notes), from a copy of the tracked files so that the
+    build cannot touch the extension this test process has loaded."""
+    pytest.importorskip("pip")
+    source, prefix = tmp_path / "source", tmp_path / "prefix"
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, cwd=REPO, check=True)
+    for name in filter(None, tracked.stdout.split("\0")):
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(source / os.path.dirname(name), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), source / name)
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                              "--prefix", str(prefix), "-e", "."], capture_output=True, text=True, cwd=source,
+                             timeout=900)
+    assert install.returncode == 0, install.stderr[-4000:]
+    (site_packages,) = glob.glob(str(prefix / "lib" / "python*" / "site-packages"))
+    check = subprocess.run([sys.executable, "-c", "import site, sys; site.addsitedir(sys.argv[1]); import torch, tutel; "
+                            "from tutel import moe; print(tutel.__file__); "
+                            "print(moe.fast_cumsum_sub_one(torch.tensor([[1, 0], [1, 1], [0, 1]])).tolist())",
+                            site_packages], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert check.returncode == 0, check.stderr
+    location, cumsum = check.stdout.split("\n")[:2]
+    assert location.startswith(str(source)) and cumsum == "[[0, -1], [1, 0], [1, 1]]"
