@@ -52,31 +52,38 @@ def test_benchmark_smoke_run_writes_json(name, results_dir, keep_threads):
     assert timed and all(value > 0 for value in timed)
 
 
-def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
-    for name in EXPECTED_KEYS:  # the page needs every benchmark's JSON (written by the tests above)
-        if not os.path.exists(os.path.join(results_dir, f"{name}.json")):
-            load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
-    doc, images = tmp_path / "performance.md", tmp_path / "images"
-    text = load_script("report").main(["--results", results_dir, "--doc", str(doc), "--images", str(images)])
-    assert doc.read_text() == text
-    for heading in ("## Machine", "## Bytes and FLOPs per kernel", "## moe_layer against the ideal",
-                    "## Scaling", "## Dispatch and routing", "## Dropless without padding"):
-        assert heading in text
-    for sweep in ("tokens", "experts"):
-        assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0
-
-
-def test_dist_alltoall_smoke_run_on_two_processes(tmp_path):
+def run_dist_alltoall_smoke(out: str) -> dict:
     """The all-to-all benchmark needs real processes: it runs under torch.distributed.run."""
     repo = os.path.dirname(BENCHMARKS_DIR)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TUTEL_GLOBAL_TIMEOUT_SEC="60")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(BENCHMARKS_DIR, "dist_alltoall.py"), "--smoke", "--out", str(tmp_path)]
+               os.path.join(BENCHMARKS_DIR, "dist_alltoall.py"), "--smoke", "--out", out]
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-4000:]
-    with open(tmp_path / "dist_alltoall.json") as handle:
-        written = json.load(handle)
+    with open(os.path.join(out, "dist_alltoall.json")) as handle:
+        return json.load(handle)
+
+
+def test_dist_alltoall_smoke_run_on_two_processes(results_dir):
+    written = run_dist_alltoall_smoke(results_dir)
     assert written["world_size"] == 2 and written["smoke"] is True
     for row in written["rows"]:
         assert all(row[key] > 0 for key in ("raw_ms", "plain_ms", "net_ms", "overlap4_ms"))
+
+
+def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
+    for name in EXPECTED_KEYS:  # the page needs every benchmark's JSON (written by the tests above)
+        if not os.path.exists(os.path.join(results_dir, f"{name}.json")):
+            load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
+    if not os.path.exists(os.path.join(results_dir, "dist_alltoall.json")):
+        run_dist_alltoall_smoke(results_dir)
+    doc, images = tmp_path / "performance.md", tmp_path / "images"
+    text = load_script("report").main(["--results", results_dir, "--doc", str(doc), "--images", str(images)])
+    assert doc.read_text() == text
+    for heading in ("## Machine", "## Bytes and FLOPs per kernel", "## moe_layer against the ideal",
+                    "## Scaling", "## Dispatch and routing", "## Dropless without padding",
+                    "## Expert-parallel exchange"):
+        assert heading in text
+    for sweep in ("tokens", "experts"):
+        assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0
