@@ -15,7 +15,8 @@ fi
 
 missing=()
 # module[:pip package]; scikit-learn (bundled digits), tqdm and matplotlib serve the examples.
-for spec in pytest hypothesis ninja numpy sklearn:scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.11.2; do
+# transformers: the integration tests (tutel.integrations.transformers) run real model code.
+for spec in pytest hypothesis ninja numpy sklearn:scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.11.2 transformers==5.23.0; do
   module="${spec%%[:=]*}"; package="${spec#*:}"
   "$PYTHON" -c "import ${module}" 2>/dev/null || missing+=("${package}")
 done
