@@ -9,5 +9,6 @@ is the MoE layer (it exposes ``sharded_count``, ``adaptive_degree``, ``group``,
 """
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
+from .routed import routed_experts
 
-__all__ = ["FusedExpertsNetwork", "LlamaFFNNetwork"]
+__all__ = ["FusedExpertsNetwork", "LlamaFFNNetwork", "routed_experts"]
