@@ -155,6 +155,25 @@ def test_low_precision(dtype):
     run_and_compare(case, False, True, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_low_precision_with_many_rows_per_expert(dtype, transposed):
+    # 70 tokens x 2 choices over 3 experts: enough rows per expert that a CPU without 16-bit dot
+    # products runs the GEMMs in float32 (tutel.ops.precision).
+    case = make_case(70, 32, 16, 32, 3, 2, True, transposed, True, False, dtype, seed=12)
+    run_and_compare(case, transposed, True, dtype)
+
+
+def test_gemm_dtype_rule():
+    from tutel.ops.precision import UPCAST_MIN_ROWS_PER_EXPERT, cpu_has_native, gemm_dtype
+    cpu = torch.device("cpu")
+    assert gemm_dtype(torch.float32, cpu, 1e6) == torch.float32
+    assert gemm_dtype(torch.float64, cpu, 1e6) == torch.float64
+    assert gemm_dtype(torch.bfloat16, cpu, UPCAST_MIN_ROWS_PER_EXPERT - 1) == torch.bfloat16
+    many = gemm_dtype(torch.bfloat16, cpu, UPCAST_MIN_ROWS_PER_EXPERT)
+    assert many == (torch.bfloat16 if cpu_has_native(torch.bfloat16) else torch.float32)
+
+
 def test_autocast_bfloat16_matches_bfloat16_operands():
     x, ids, weights, up, down, _, _ = make_case(12, 32, 16, 32, 4, 2, True, False, False, False, torch.float32, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

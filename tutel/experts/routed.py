@@ -38,6 +38,7 @@ from .. import ops
 from ..impls.autocast import autocast_dtype
 from ..ops._checks import require_dim, require_floating, require_tensor
 from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.precision import gemm_dtype
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -176,6 +177,9 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
                                      for t in (x, up_weight, down_weight))
     elif up_weight.dtype != x.dtype:
         x = x.to(up_weight.dtype)
+    wide = gemm_dtype(up_weight.dtype, x.device, expert_ids.numel() / up_weight.shape[0])
+    if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
+        x, up_weight, down_weight = x.to(wide), up_weight.to(wide), down_weight.to(wide)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
