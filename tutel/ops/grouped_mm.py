@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
+
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -68,7 +70,6 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
         if rows.device.type == "cpu":
             out[:kept] = torch.ops.tutel.grouped_linear(rows[:kept].contiguous(), weight, None, counts, not transposed)
         else:
-            from .linear import grouped_linear_loop
             out[:kept] = grouped_linear_loop(rows[:kept], weight, None, counts, not transposed)
     return out
 
@@ -93,7 +94,6 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
         grads = torch.ops.tutel.grouped_linear_backward(grad[:kept], rows[:kept].contiguous(), weight, counts,
                                                         not transposed, mask)
     else:
-        from .linear import grouped_linear_backward_loop
         grads = grouped_linear_backward_loop(grad[:kept], rows[:kept], weight, counts, not transposed,
                                              [need_rows, need_weight, False])
     if need_rows:
