@@ -86,36 +86,10 @@ def is_standard_swiglu(experts: torch.nn.Module) -> bool:
             and type(experts)._apply_gate is _default_apply_gate)
 
 
-def routed_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """A transformers experts forward through tutel.experts.routed_experts (used until the
-    registered integration is importable)."""
-    from tutel.experts.routed import routed_experts
-    if self.has_gate:
-        gate_kwargs = dict(gate="swiglu") if is_standard_swiglu(self) else dict(gate_fn=self._apply_gate)
-        up, up_bias = self.gate_up_proj, getattr(self, "gate_up_proj_bias", None)
-    else:
-        gate_kwargs = dict(activation=self.act_fn)
-        up, up_bias = self.up_proj, getattr(self, "up_proj_bias", None)
-    post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
-    return routed_experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj,
-                          up_bias=up_bias if self.has_bias else None,
-                          down_bias=getattr(self, "down_proj_bias", None) if self.has_bias else None,
-                          transposed=self.is_transposed, post_fn=post, **gate_kwargs)
-
-
 def tutel_backend_name() -> str:
-    """'tutel' when the transformers integration registers it, else a local registration of
-    routed_experts_forward under 'tutel_routed'."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    try:
-        import tutel.integrations.transformers  # noqa: F401  (registers "tutel")
-    except ImportError:
-        pass
-    if "tutel" in ALL_EXPERTS_FUNCTIONS:
-        return "tutel"
-    ALL_EXPERTS_FUNCTIONS.register("tutel_routed", routed_experts_forward)
-    return "tutel_routed"
+    """The experts implementation tutel registers with transformers (importing the integration registers it)."""
+    import tutel.integrations.transformers  # noqa: F401
+    return "tutel"
 
 
 def moe_layer_like(block: Block) -> Optional[torch.nn.Module]:

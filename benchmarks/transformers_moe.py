@@ -122,6 +122,28 @@ COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "groupe
            "moe_layer/limit", "best_transformers/moe_layer", "foreign_cpus"]
 
 
+def lscpu_model() -> Optional[str]:
+    """The CPU's model name as lscpu prints it (None without lscpu)."""
+    import subprocess
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), None)
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide the GEMM kernels' speed, and whether oneDNN has native 16-bit dot products."""
+    from tutel.ops.precision import cpu_has_native
+    try:
+        present = set(open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        present = set()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+    native = "native bf16 dot products" if cpu_has_native(torch.bfloat16) else "no native bf16 dot products"
+    return " ".join(flag for flag in wanted if flag in present) + f"; oneDNN: {native}"
+
+
 def _own_options(argv: Optional[Sequence[str]]):
     """This script's options beyond the common ones: --families, --dtypes, --tokens (subsets)."""
     import argparse
@@ -130,12 +152,16 @@ def _own_options(argv: Optional[Sequence[str]]):
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--tokens", default=None, help="forward token counts, e.g. 1,16,2048")
     parser.add_argument("--train-tokens", default=None)
+    parser.add_argument("--max-tokens-16bit", type=int, default=None,
+                        help="skip bfloat16 cases above this many tokens (on a loaded machine, or a CPU whose "
+                             "16-bit GEMMs are slow, they take minutes each)")
     own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     return own, rest
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    own, argv = _own_options(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    own, argv = _own_options(given)
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
     ours = tutel_backend_name()
     dtypes = {name: DTYPES[name] for name in own.dtypes.split(",")}
@@ -154,6 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             block = build_block(family, dtype, args.smoke)
             layer = moe_layer_like(block)
             cases = [(t, False) for t in forward_tokens] + [(t, True) for t in train_tokens]
+            if dtype != torch.float32 and own.max_tokens_16bit is not None:
+                cases = [(t, train) for t, train in cases if t <= own.max_tokens_16bit]
             for tokens, train in cases:
                 row = measure_case(block, layer, ours, dtype_name, tokens, train, limits, args.reps)
                 rows.append(row)
@@ -161,7 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             del block, layer
     limits_after = measure_limits(list(dtypes.values()), args.smoke)
     result = {"rows": rows, "columns": COLUMNS, "limits": limits, "limits_after": limits_after, "tutel_backend": ours,
-              "families": {name: FAMILIES[name][1] for name in families}, "reps": args.reps}
+              "lscpu_model": lscpu_model(), "cpu_flags": cpu_flags(),
+              "families": {name: FAMILIES[name][1] for name in families}, "reps": args.reps,
+              "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
     write_result(args.out, "transformers_moe", result, args.smoke)
     print(format_table(rows, COLUMNS))
     return result
