@@ -92,7 +92,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     candidates["tutel"] = _experts_call(block, ours, x, indices, weights, train, grad)
     if layer is not None:
         candidates["moe_layer"] = _layer_call(layer, x, train, grad)
-    reps = _reps_for(candidates, max_reps)
+    reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps)
     times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
     active = int(torch.unique(indices).numel())
