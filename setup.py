@@ -135,6 +135,7 @@ setup(
     license="MIT",
     python_requires=">=3.8",
     packages=find_packages(include=["tutel", "tutel.*"]),
+    package_data={"tutel.examples": ["data/*.txt"]},  # the text tutel.examples.transformers_moe trains on
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithKernels.with_options(use_ninja=True)},
     install_requires=["torch>=2.1"],
