@@ -211,6 +211,35 @@ def plot_scaling(scaling: dict, images: str) -> List[str]:
     return written
 
 
+def plot_transformers(result: dict, images: str) -> Optional[str]:
+    """best transformers backend / tutel and tutel / limit against T (forward), one panel per dtype."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in result["rows"] if row["pass"] == "fwd"]
+    dtypes = sorted({row["dtype"] for row in rows}, reverse=True)
+    if not rows:
+        return None
+    os.makedirs(images, exist_ok=True)
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    for axis, dtype in zip(axes[0], dtypes):
+        for family in sorted({row["family"] for row in rows}):
+            points = sorted((row["T"], row["best_transformers/tutel"]) for row in rows
+                            if row["dtype"] == dtype and row["family"] == family)
+            axis.plot(*zip(*points), "o-", label=family)
+        axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="best transformers backend / tutel",
+                 title=f"{dtype}, forward")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    path = os.path.join(images, "performance_transformers.png")
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path
+
+
 # --------------------------------------------------------------------------------- document
 
 INTRO = """# Performance
@@ -337,7 +366,7 @@ bandwidth of a buffer 8x the last-level cache).  Ratios above 1 in *best_transfo
 tutel is faster."""
 
 
-def transformers_section(result: dict) -> str:
+def transformers_section(result: dict, picture: str = "") -> str:
     m, limits = result["machine"], result["limits"]
     rates = ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value:.0f} GFLOP/s" for key, value in limits.items()
                       if key.startswith("gemm_gflops_"))
@@ -346,8 +375,9 @@ def transformers_section(result: dict) -> str:
             f"Measured on: {result.get('lscpu_model') or m['cpu']} ({m['logical_cpus']} logical CPUs, "
             f"{m['torch_threads']} threads{', flags: ' + flags if flags else ''}); torch {m['torch']}; "
             f"finished {result['finished']}.  Limits in this run: {rates}, read {limits['read_gbps']:.1f} GB/s.  "
-            f"tutel ran as the experts implementation `{result.get('tutel_backend')}`.\n\n"
-            + format_table(result["rows"], result["columns"]))
+            f"tutel ran as the experts implementation `{result.get('tutel_backend')}`.  Command: "
+            f"`{result.get('command', 'python benchmarks/transformers_moe.py')}`.\n\n"
+            + picture + format_table(result["rows"], result["columns"]))
 
 
 def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
@@ -419,7 +449,9 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     if results.get("dist_alltoall"):
         parts.append(exchange_section(results["dist_alltoall"]))
     if results.get("transformers_moe"):
-        parts.append(transformers_section(results["transformers_moe"]))
+        picture = plot_transformers(results["transformers_moe"], images)
+        link = f"![transformers]({os.path.relpath(picture, os.path.dirname(doc_path))})\n\n" if picture else ""
+        parts.append(transformers_section(results["transformers_moe"], link))
     parts.append(NOTES)
     return "\n\n".join(parts) + "\n"
 
