@@ -404,7 +404,7 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                 + format_table(budget, ["kernel", "MB", "MFLOP", "bound_ms", "measured_ms", "measured/bound"]))
         limit_rows = with_layer_limit(layer["rows"], (layer.get("roofline") or {}).get("gemm_gflops"))
         columns = list(layer["columns"]) + (["limit_ms", "layer/limit"] if limit_rows is not layer["rows"] else [])
-        parts.append("## moe_layer against the padded-GEMM baseline, the machine's limit and the naive layer\n\n"
+        parts.append("## moe_layer against the ideal (the padded-GEMM baseline), the machine's limit and the naive layer\n\n"
                      "Times in ms per step; peak memory in MiB above the step's start.\n\n"
                      + format_table(*as_baseline(limit_rows, columns)))
     scaling = results.get("scaling")
