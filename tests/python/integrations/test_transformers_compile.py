@@ -19,8 +19,9 @@ def test_fullgraph_compile_of_a_gpt_oss_model_equals_eager_mode():
     # gpt-oss: transposed weights, biases, interleaved halves and a custom clamped gate.  Sizes
     # whose rows are 16-byte aligned in float32, so the experts take the grouped-GEMM path.
     torch._dynamo.reset()
-    model = build("gpt_oss", dtype=torch.float32, experts_implementation="tutel", intermediate_size=8)
-    reference = build("gpt_oss", dtype=torch.float32, experts_implementation="eager", intermediate_size=8)
+    sizes = dict(intermediate_size=8, num_hidden_layers=1)  # one layer: the graph is the same per layer
+    model = build("gpt_oss", dtype=torch.float32, experts_implementation="tutel", **sizes)
+    reference = build("gpt_oss", dtype=torch.float32, experts_implementation="eager", **sizes)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     # aot_eager: dynamo's capture (fullgraph) and AOT autograd's tracing, without inductor's
     # code generation, which would only add minutes here.

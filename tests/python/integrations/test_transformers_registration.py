@@ -14,11 +14,8 @@ from tiny_transformers_models import VOCAB, build  # noqa: E402
 
 
 def test_import_tutel_does_not_import_transformers():
-    code = ("import sys, tutel, tutel.integrations, tutel.experts; "
-            "assert 'transformers' not in sys.modules, 'imported'; "
-            "import tutel.integrations.transformers; "
-            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS; "
-            "assert 'tutel' in ALL_EXPERTS_FUNCTIONS")
+    code = ("import sys, tutel, tutel.integrations, tutel.experts, tutel.moe; "
+            "assert 'transformers' not in sys.modules, 'imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 
@@ -44,6 +41,12 @@ def test_from_pretrained_and_set_experts_implementation_select_tutel(tmp_path):
     finally:
         tutel_hf.forward.routed_experts = hook
     assert len(calls) == 2 * 2  # two models, two MoE layers each
+
+
+def test_importing_the_integration_registers_tutel():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    assert ALL_EXPERTS_FUNCTIONS["tutel"] is tutel_hf.tutel_experts_forward
+    assert ExpertsInterface()["tutel"] is tutel_hf.tutel_experts_forward  # every instance, not one mapping
 
 
 def test_a_misspelt_name_is_refused_by_transformers_with_tutel_listed():
