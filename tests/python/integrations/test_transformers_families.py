@@ -46,8 +46,10 @@ def test_float64_logits_and_every_gradient_equal_eager(family):
     eager_loss.backward()
     our_loss.backward()
     for (name, a), b in zip(eager.named_parameters(), ours.parameters()):
-        assert a.grad is not None and b.grad is not None, name
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        # Some parameters only steer a top-k choice (e.g. a router's balancing bias): no gradient.
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
     # The experts really took part: their weights received gradient.
     for module in _experts_modules(ours):
         assert module.down_proj.grad.abs().sum() > 0
