@@ -45,6 +45,8 @@ RULES = [
      "tests/python/test_examples.py::test_custom_gate_expert_example_logs_options"),
     (r"^python3 -m tutel\.examples\.helloworld_(from_scratch|amp) ", "COVERED",
      "tests/python/test_examples.py::test_from_scratch_and_amp_examples"),
+    (r"^python -m tutel\.examples\.transformers_moe ", "COVERED",
+     "tests/python/integrations/test_transformers_example.py::test_transformers_moe_example_trains_and_generates"),
     (r"^python3 -m torch\.distributed\.run --nproc_per_node=2 -m tutel\.examples\.helloworld ", "COVERED",
      "tests/python/distributed/test_dist_layer_examples.py::test_data_parallel_variants_train_identically"),
     (r"^mpiexec .*-m tutel\.launcher\.run ", "COVERED",
@@ -71,6 +73,8 @@ RULES = [
 PYTHON_RULES = [
     ("from tutel import moe\n\nlayer = moe.moe_layer(", "RUN", "test_python_examples_run"),
     ("checkpoint.load_resharded(model,", "RUN", "test_checkpoint_page_runs_as_written"),
+    ("import tutel.integrations.transformers", "COVERED",
+     "tests/python/integrations/test_transformers_docs.py::test_the_documented_code_runs"),
     ("from deepspeed.moe.layer import MoE", "COVERED",
      "tests/integration/deepspeed/test_deepspeed_doc_example.py::test_documented_example_runs"),
 ]
