@@ -56,3 +56,23 @@ def measure_limits(dtypes, smoke: bool) -> Dict[str, float]:
     limits = {f"gemm_gflops_{str(dtype).replace('torch.', '')}": gemm_rate(dtype, smoke) / 1e9 for dtype in dtypes}
     limits["read_gbps"] = read_bandwidth(smoke, cache_bytes=last_level_cache_bytes()) / 1e9
     return limits
+
+
+class LimitProbes:
+    """The two limits as candidates timed among the others (interleaved), so that they see the
+    same load from other processes: one large GEMM in `dtype` and one read of a buffer 8x the
+    last-level cache.  ``rates(times)`` turns their median times into FLOP/s and bytes/s."""
+
+    def __init__(self, dtype: torch.dtype, smoke: bool):
+        m, k, n = (256, 128, 128) if smoke else (4096, 1024, 1024)
+        self.a, self.b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+        self.flops = 2.0 * m * n * k
+        numel = (1 << 16) if smoke else 8 * last_level_cache_bytes() // 4
+        self.buffer = torch.ones(numel)
+        self.bytes = numel * 4
+
+    def candidates(self) -> Dict[str, object]:
+        return {"gemm_probe": lambda: F.linear(self.a, self.b), "read_probe": lambda: self.buffer.sum()}
+
+    def rates(self, times: Dict[str, float]) -> Dict[str, float]:
+        return {"gemm_flops": self.flops / times["gemm_probe"], "read_bytes": self.bytes / times["read_probe"]}

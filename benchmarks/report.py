@@ -360,9 +360,10 @@ transformers' experts backends (`batched_mm` only where its per-choice weight co
 `moe_layer` holding the same weights (llama_ffn experts, `capacity_factor=0, megablocks_size=1`);
 it runs its own top-k softmax router, so its time includes routing (not for gpt-oss, whose gate
 llama_ffn cannot express).  *limit*: the larger of the compute limit (FLOPs of the routed pairs,
-x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype, measured in
-the same run) and the bandwidth limit (bytes of the distinct experts' weights at the measured read
-bandwidth of a buffer 8x the last-level cache).  Ratios above 1 in *best_transformers/tutel* mean
+x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype) and the
+bandwidth limit (bytes of the distinct experts' weights at the read bandwidth of a buffer 8x the
+last-level cache), both rates measured as two more candidates interleaved with the others in every
+case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Ratios above 1 in *best_transformers/tutel* mean
 tutel is faster."""
 
 
@@ -374,7 +375,7 @@ def transformers_section(result: dict, picture: str = "") -> str:
     return ("## Against transformers' experts backends\n\n" + TRANSFORMERS_INTRO + "\n\n"
             f"Measured on: {result.get('lscpu_model') or m['cpu']} ({m['logical_cpus']} logical CPUs, "
             f"{m['torch_threads']} threads{', flags: ' + flags if flags else ''}); torch {m['torch']}; "
-            f"finished {result['finished']}.  Limits in this run: {rates}, read {limits['read_gbps']:.1f} GB/s.  "
+            f"finished {result['finished']}.  Rates before the cases: {rates}, read {limits['read_gbps']:.1f} GB/s.  "
             f"tutel ran as the experts implementation `{result.get('tutel_backend')}`.  Command: "
             f"`{result.get('command', 'python benchmarks/transformers_moe.py')}`.\n\n"
             + picture + format_table(result["rows"], result["columns"]))

@@ -8,9 +8,11 @@ the block's own router computes once.  'moe_layer' is tutel's moe_layer holding 
 weights (llama_ffn experts, dropless: capacity_factor 0, megablocks_size 1); it runs its own
 router (a softmax top-k like the family's), so its time includes routing.
 
-Limits measured in the same run (see _limits.py): compute = the FLOPs of the routed
-(token, expert) pairs at the machine's GEMM rate in the same dtype; bandwidth = the bytes of
-the distinct experts' weights touched at the measured read bandwidth.  limit = the larger.
+Limits measured in the same run, as two more candidates interleaved with the others so that they
+see the same load (see _limits.py): compute = the FLOPs of the routed (token, expert) pairs at
+the GEMM rate of a large matmul in the same dtype; bandwidth = the bytes of the distinct
+experts' weights touched at the read bandwidth of a buffer 8x the last-level cache.  limit = the
+larger.
 
     python benchmarks/transformers_moe.py          # writes benchmarks/results/transformers_moe.json
     python benchmarks/transformers_moe.py --smoke
@@ -24,7 +26,7 @@ import torch
 from _common import format_table, interleaved_medians, load_average, parse_args, write_result
 from _hf_blocks import (FAMILIES, build_block, experts_flops_per_choice, experts_weight_bytes, moe_layer_like,
                         tutel_backend_name)
-from _limits import measure_limits
+from _limits import LimitProbes, measure_limits
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
 FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
@@ -73,7 +75,7 @@ def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int) -> int:
     return max(1, min(max_reps, int(SECONDS_PER_CASE / max(once, 1e-6))))
 
 
-def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, limits: Dict[str, float],
+def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, smoke: bool,
                  max_reps: int) -> Dict[str, object]:
     dtype = DTYPES[dtype_name]
     hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
@@ -92,19 +94,24 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     candidates["tutel"] = _experts_call(block, ours, x, indices, weights, train, grad)
     if layer is not None:
         candidates["moe_layer"] = _layer_call(layer, x, train, grad)
+    probes = LimitProbes(dtype, smoke)
+    candidates.update(probes.candidates())
     reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps)
     times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
+    rates = probes.rates(times)  # the machine's rates during this case, under the same load
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
     active = int(torch.unique(indices).numel())
     weight_bytes = active * experts_weight_bytes(block.experts)["per_expert"]
-    compute_ms = flops / (limits[f"gemm_gflops_{dtype_name}"] * 1e9) * 1e3
-    bandwidth_ms = weight_bytes / (limits["read_gbps"] * 1e9) * 1e3
+    compute_ms = flops / rates["gemm_flops"] * 1e3
+    bandwidth_ms = weight_bytes / rates["read_bytes"] * 1e3
     row: Dict[str, object] = dict(family=block.name, dtype=dtype_name, pass_="fwd+bwd" if train else "fwd", T=tokens,
                                   k=k, E=up.shape[0], active_experts=active, reps=reps,
                                   compute_limit_ms=compute_ms, bandwidth_limit_ms=bandwidth_ms,
-                                  limit_ms=max(compute_ms, bandwidth_ms), load_before=load_average())
+                                  limit_ms=max(compute_ms, bandwidth_ms), gemm_gflops=rates["gemm_flops"] / 1e9,
+                                  read_gbps=rates["read_bytes"] / 1e9, load_before=load_average())
     for name, seconds in times.items():
-        row[f"{name}_ms"] = seconds * 1e3
+        if not name.endswith("_probe"):
+            row[f"{name}_ms"] = seconds * 1e3
     best = min(backends, key=lambda b: times[b])
     row["best_transformers"] = best
     row["best_transformers/tutel"] = times[best] / times["tutel"]
@@ -119,7 +126,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
 
 COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "grouped_mm_ms", "batched_mm_ms", "tutel_ms",
            "moe_layer_ms", "limit_ms", "tutel/limit", "best_transformers", "best_transformers/tutel",
-           "moe_layer/limit", "best_transformers/moe_layer", "foreign_cpus"]
+           "moe_layer/limit", "best_transformers/moe_layer", "gemm_gflops", "read_gbps", "foreign_cpus"]
 
 
 def lscpu_model() -> Optional[str]:
@@ -183,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             if dtype != torch.float32 and own.max_tokens_16bit is not None:
                 cases = [(t, train) for t, train in cases if t <= own.max_tokens_16bit]
             for tokens, train in cases:
-                row = measure_case(block, layer, ours, dtype_name, tokens, train, limits, args.reps)
+                row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps)
                 rows.append(row)
                 print(format_table([row], COLUMNS), flush=True)
             del block, layer
