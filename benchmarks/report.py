@@ -364,7 +364,17 @@ x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dt
 bandwidth limit (bytes of the distinct experts' weights at the read bandwidth of a buffer 8x the
 last-level cache), both rates measured as two more candidates interleaved with the others in every
 case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Ratios above 1 in *best_transformers/tutel* mean
-tutel is faster."""
+tutel is faster.
+
+What limits tutel here, as measured (docs/design.md, "Routed experts"): tutel and transformers'
+`grouped_mm` backend run the same `torch.nn.functional.grouped_mm` kernels for the expert GEMMs, so
+at large T the gap between them is what surrounds the GEMMs (one fused gate+up product, dispatch and
+combine in single passes, the weighting fused into the combine) and cannot exceed that share; on a
+CPU without native bf16 dot products tutel runs 16-bit GEMMs in float32 once experts have 32 rows or
+more, which transformers' backends do not.  At a few rows per expert (T <= 16 with top-8 of 64)
+PyTorch's small GEMMs read the weights well below the measured bandwidth, which is what keeps both
+sides far from the bandwidth limit; closing that needs a GEMM kernel that streams each weight row
+once for all of an expert's rows."""
 
 
 def transformers_section(result: dict, picture: str = "") -> str:
