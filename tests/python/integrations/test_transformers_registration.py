@@ -105,14 +105,15 @@ def test_enable_fails_before_any_forward_on_an_unsupported_module():
 
 
 @pytest.mark.parametrize("bad", ["three-dimensional tokens", "index of another batch", "weights of another shape",
-                                 "not a tensor"])
+                                 "not a tensor", "tokens of another width"])
 def test_bad_calls_name_the_module_class(bad):
     _, module = make_pair("gpt_oss")
     hidden, ids, weights = make_inputs(5, 2)
     args = {"three-dimensional tokens": (hidden[None], ids, weights),
             "index of another batch": (hidden, ids[:4], weights[:4]),
             "weights of another shape": (hidden, ids, weights[:, :1]),
-            "not a tensor": (hidden, ids.tolist(), weights)}[bad]
+            "not a tensor": (hidden, ids.tolist(), weights),
+            "tokens of another width": (hidden[:, :-1], ids, weights)}[bad]
     with pytest.raises((ValueError, TypeError), match="GptOssExperts"):
         module(*args)
 

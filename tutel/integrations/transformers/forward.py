@@ -44,6 +44,10 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
     """
     _check_call(self, hidden_states, top_k_index, top_k_weights)
     layout = read_layout(self)
+    width = layout.up_weight.shape[1] if layout.transposed else layout.up_weight.shape[2]
+    if hidden_states.shape[1] != width:
+        raise ValueError(f'experts_implementation="tutel": {type(self).__name__} takes tokens of {width} features, '
+                         f"got hidden_states {tuple(hidden_states.shape)}")
     weights = top_k_weights
     if layout.expert_parallel:
         # Choices owned by other processes: routed_experts already skips ids outside [0, E); the
