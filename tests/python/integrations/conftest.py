@@ -1,8 +1,14 @@
 """The integration tests run tiny models: one intra-op thread, so their many small operations do
 not pay the thread pool's synchronisation (which dominates at these sizes, and more so when other
 work shares the cores)."""
+import os
+
 import pytest
 import torch
+
+if os.environ.get("CI") == "true":
+    # CI installs transformers (tests/setup_env.sh): there a missing one is an error, not a skip.
+    import transformers  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
