@@ -18,7 +18,7 @@ def _run(module, hidden, ids, weights):
     hidden, weights = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
     out = module(hidden, ids, weights)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    (out.double() * probe).sum().backward()
+    (out.double() * probe.to(out.device)).sum().backward()
     grads = {"hidden_states": hidden.grad, "top_k_weights": weights.grad}
     grads.update({name: p.grad for name, p in module.named_parameters()})
     return out, grads
@@ -122,3 +122,22 @@ def test_bfloat16_autocast_matches_the_eager_experts_under_autocast(case):
     our_error = float((got.double() - want).abs().max() / scale)
     their_error = float((theirs.double() - want).abs().max() / scale)
     assert our_error < max(2 * their_error, 2e-2), (our_error, their_error)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["gpt_oss", "mixtral", "nemotron_h"])
+def test_on_cuda_against_float64_on_the_cpu(case, dtype):
+    """The tutel module on the GPU against the eager experts in float64 on the CPU (same rounded
+    parameters and inputs): output and every gradient within the dtype's tolerance."""
+    eager, ours = make_pair(case, dtype=dtype)
+    eager, ours = eager.double(), ours.cuda()
+    inputs = make_inputs(37, 3, dtype=dtype)
+    got_out, got_grads = _run(ours, *(t.cuda() for t in inputs))
+    want_out, want_grads = _run(eager, *(t.double() if t.is_floating_point() else t for t in inputs))
+    tolerance = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    assert got_out.device.type == "cuda" and got_out.dtype == dtype
+    _close(got_out.cpu(), want_out, tolerance, "output")
+    for name, grad in want_grads.items():
+        _close(got_grads[name].cpu(), grad, tolerance, f"d {name}")
