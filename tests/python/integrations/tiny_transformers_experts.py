@@ -55,10 +55,12 @@ def _config(kind):
         return transformers.AriaTextConfig(**SIZES, moe_num_experts=E, intermediate_size=I)
     if kind == "openai_privacy_filter":
         from transformers.models.openai_privacy_filter import OpenAIPrivacyFilterConfig
-        return OpenAIPrivacyFilterConfig(**SIZES, num_local_experts=E, intermediate_size=I)
+        return OpenAIPrivacyFilterConfig(**SIZES, num_local_experts=E, intermediate_size=I, swiglu_limit=1.5)
     if kind == "deepseek_v4":
         from transformers.models.deepseek_v4 import DeepseekV4Config
-        return DeepseekV4Config(**SIZES, n_routed_experts=E, num_local_experts=E, moe_intermediate_size=I)
+        # a clamp limit the random activations cross, so the clamp is exercised
+        return DeepseekV4Config(**SIZES, n_routed_experts=E, num_local_experts=E, moe_intermediate_size=I,
+                                swiglu_limit=1.0)
     if kind == "mixtral":
         return transformers.MixtralConfig(**SIZES, num_local_experts=E, intermediate_size=I)
     if kind == "gpt_oss":
