@@ -8,7 +8,7 @@ model's own.  Routing metadata, dispatch, the grouped expert GEMMs and the combi
 import torch
 
 from ...experts.routed import routed_experts
-from .layout import UnsupportedExpertsLayout, read_layout
+from .layout import read_layout
 
 
 def _check_call(module: torch.nn.Module, hidden_states, top_k_index, top_k_weights) -> None:
@@ -53,8 +53,8 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
         # Choices owned by other processes: routed_experts already skips ids outside [0, E); the
         # zero weight also keeps them out of the router's gradient.
         weights = weights.masked_fill(top_k_index >= layout.num_experts, 0.0)
-    # The routing weights may be wider than the tokens (routers that compute in float32): the
-    # product is taken in the wider dtype, as the eager experts do.
+    # Routers that compute in float32 hand float32 weights to float64 tokens: widened, so the
+    # product keeps the tokens' precision as in the eager experts (wider weights pass as they are).
     if weights.dtype != hidden_states.dtype and weights.dtype.itemsize < hidden_states.dtype.itemsize:
         weights = weights.to(hidden_states.dtype)
     return routed_experts(hidden_states, top_k_index, weights, layout.up_weight, layout.down_weight,
@@ -62,5 +62,3 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
                           gate=layout.gate, gate_fn=layout.gate_fn, activation=layout.activation,
                           post_fn=layout.post_fn)
 
-
-__all__ = ["tutel_experts_forward", "UnsupportedExpertsLayout"]

@@ -121,11 +121,10 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
             raise UnsupportedExpertsLayout(
                 module, "_is_expert_parallel" if expert_parallel else "num_experts",
                 f"`{name}` holds {tensor.shape[0]} experts but num_experts is {num_experts}")
-    # [E, out, in] (F.linear) or [E, in, out] (is_transposed)
-    up_in, up_out = (up_weight.shape[1], up_weight.shape[2]) if transposed else (up_weight.shape[2], up_weight.shape[1])
+    # [E, out, in] (F.linear) or [E, in, out] (is_transposed); the tokens' width is checked per call
+    up_out = up_weight.shape[2] if transposed else up_weight.shape[1]
     down_in, down_out = (down_weight.shape[1], down_weight.shape[2]) if transposed \
         else (down_weight.shape[2], down_weight.shape[1])
-    del up_in  # checked against the tokens by routed_experts
     up_bias = down_bias = None
     if has_bias:
         up_bias = _weight(module, up_name + "_bias", "has_bias", 2)
