@@ -382,13 +382,22 @@ def transformers_section(result: dict, picture: str = "") -> str:
     rates = ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value:.0f} GFLOP/s" for key, value in limits.items()
                       if key.startswith("gemm_gflops_"))
     flags = result.get("cpu_flags")
+    foreign = max((row.get("foreign_cpus") or 0) for row in result["rows"]) if result["rows"] else 0
+    warning = ""
+    if foreign > 0.5:
+        warning = (f"**Other processes kept up to {foreign:g} of the {m['logical_cpus']} CPUs busy during this run**: "
+                   "single measurements swing by 2x and more, so ratios between neighbouring cells are not reliable "
+                   "and the table says little about the targets; re-run the command on a quiet machine.\n\n")
+        if "gemm_gflops" not in result["columns"]:
+            warning += ("This run predates the interleaved limit probes: its limits use the rates measured once "
+                        "before the cases, so *tutel/limit* can fall below 1 where the load eased later.\n\n")
     return ("## Against transformers' experts backends\n\n" + TRANSFORMERS_INTRO + "\n\n"
             f"Measured on: {result.get('lscpu_model') or m['cpu']} ({m['logical_cpus']} logical CPUs, "
             f"{m['torch_threads']} threads{', flags: ' + flags if flags else ''}); torch {m['torch']}; "
             f"finished {result['finished']}.  Rates before the cases: {rates}, read {limits['read_gbps']:.1f} GB/s.  "
             f"tutel ran as the experts implementation `{result.get('tutel_backend')}`.  Command: "
             f"`{result.get('command', 'python benchmarks/transformers_moe.py')}`.\n\n"
-            + picture + format_table(result["rows"], result["columns"]))
+            + warning + picture + format_table(result["rows"], result["columns"]))
 
 
 def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
