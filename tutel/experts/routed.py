@@ -22,12 +22,16 @@ How the caller names the activation
   without a gate (U = I).
 
 Give ``gate`` (optionally together with the ``gate_fn`` it names, which is then not called),
-or exactly one of ``gate_fn`` and ``activation``.  The function is differentiable in x, weights, both weight
-tensors and the biases, and traceable by ``torch.compile(fullgraph=True)`` (the grouped products
-are one opaque operator, ``tutel.ops.grouped_mm.grouped_rows_mm``).  On its default path
-(float32 / bfloat16 / float16 with 16-byte aligned rows, where ``torch.nn.functional.grouped_mm``
-has a kernel) nothing is read back to the host; float64 and odd feature sizes run tutel's own
-grouped operator, which reads the per-expert row counts.
+or exactly one of ``gate_fn`` and ``activation``.
+
+The function is differentiable in x, weights, both weight tensors and the biases, and traceable
+by ``torch.compile(fullgraph=True)`` (the grouped products are one opaque operator,
+``tutel.ops.grouped_mm.grouped_rows_mm``).  On its default path (float32 / bfloat16 / float16
+with 16-byte aligned rows, where ``torch.nn.functional.grouped_mm`` has a kernel) nothing is read
+back to the host; float64 and odd feature sizes run tutel's own grouped operator, which reads the
+per-expert row counts.  16-bit data on a CPU without native 16-bit dot products is multiplied in
+float32 once experts average 32 rows or more (``tutel.ops.precision``); the result keeps x's
+dtype either way.
 """
 from typing import Callable, NamedTuple, Optional
 
