@@ -4,6 +4,8 @@ transformers' own eager experts in eager mode."""
 import pytest
 import torch
 
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
+
 pytest.importorskip("transformers")
 import tutel.integrations.transformers  # noqa: E402,F401  (registers "tutel")
 

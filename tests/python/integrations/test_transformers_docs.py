@@ -6,6 +6,8 @@ import re
 import pytest
 import torch
 
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
+
 pytest.importorskip("transformers")
 
 PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "integrations", "transformers.md")

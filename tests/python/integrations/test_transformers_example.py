@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
+
 pytest.importorskip("transformers")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))

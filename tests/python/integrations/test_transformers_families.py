@@ -5,6 +5,8 @@ tolerance of the float64 model."""
 import pytest
 import torch
 
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
+
 pytest.importorskip("transformers")
 import tutel.integrations.transformers  # noqa: E402,F401  (registers "tutel")
 

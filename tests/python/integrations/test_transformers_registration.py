@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
+
 pytest.importorskip("transformers")
 import tutel.integrations.transformers as tutel_hf  # noqa: E402
 
