@@ -15,7 +15,7 @@ import argparse
 import math
 import os
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -99,19 +99,26 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
         yield torch.cat([torch.full((batch_size, 1), BOS, dtype=windows.dtype), windows], dim=1)
 
 
-def progress(steps: int, enabled: bool):
-    if not enabled:
-        return range(steps)
-    from tqdm import tqdm
-    return tqdm(range(steps), desc="training", unit="step")
+def progress(steps: int, enabled: bool) -> Iterable[int]:
+    """range(steps), under a tqdm progress bar when `enabled` and tqdm is installed."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(range(steps), desc="training", unit="step")
+        except ImportError:
+            print("tqdm is not installed: no progress bar (pip install tqdm)", flush=True)
+    return range(steps)
 
 
 def train(model: torch.nn.Module, data: torch.Tensor, args) -> List[float]:
     """AdamW with a short warm-up and cosine decay; returns the loss of every step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     generator = torch.Generator().manual_seed(args.seed)
     stream = batches(data, args.batch_size, args.seq_len, generator)
     losses: List[float] = []
@@ -131,7 +138,10 @@ def train(model: torch.nn.Module, data: torch.Tensor, args) -> List[float]:
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             recent = losses[-args.log_every:]
             message = f"step {step + 1}/{args.steps}  loss {sum(recent) / len(recent):.4f}"
-            bar.write(message) if hasattr(bar, "write") else print(message, flush=True)
+            if hasattr(bar, "write"):
+                bar.write(message)  # above the progress bar
+            else:
+                print(message, flush=True)
     return losses
 
 

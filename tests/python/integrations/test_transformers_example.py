@@ -21,7 +21,8 @@ def test_transformers_moe_example_trains_and_generates(tmp_path):
         [sys.executable, "-m", "tutel.examples.transformers_moe", "--steps", "30", "--log-every", "10",
          "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2", "--generate", "24", "--output-dir", str(tmp_path),
          "--no-progress"],
-        capture_output=True, text=True, cwd=REPO, timeout=600, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))  # tiny model: see conftest.py
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))  # one thread: see transformers_test_setup
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "experts_implementation='tutel'" in out, out

@@ -59,7 +59,8 @@ def _flag(module: torch.nn.Module, name: str) -> bool:
 def _weight(module: torch.nn.Module, name: str, flag: str, dims: int) -> torch.Tensor:
     tensor = getattr(module, name, None)
     if not isinstance(tensor, torch.Tensor):
-        raise UnsupportedExpertsLayout(module, flag, f"expects a tensor `{name}`, the module has {type(tensor).__name__}")
+        raise UnsupportedExpertsLayout(module, flag,
+                                       f"expects a tensor `{name}`, the module has {type(tensor).__name__}")
     if tensor.dim() != dims:
         raise UnsupportedExpertsLayout(module, flag, f"`{name}` must have {dims} dimensions, got shape "
                                                      f"{tuple(tensor.shape)}")
