@@ -1,11 +1,13 @@
 """gather_slots and scatter_slots (encode / decode and their backward passes) as PyTorch operations.
 
 The arithmetic follows csrc/core/dispatch.cpp step by step so that the data
-results are bit for bit the compiled operators': a single kept row of weight
-one is copied as it is; otherwise rows are weighted and summed in choice order
-in the accumulation dtype and rounded once; a slot named by several choices is
-built by adding their weighted rows in (choice, token) order, rounding after
-each addition, and once one slot is shared every slot is built that way.
+results are bit for bit the compiled operators' (up to which NaN a NaN is):
+rows are weighted and summed in choice order in the accumulation dtype and
+rounded once (the first kept row starts the sum); a slot named by several
+choices is built by adding their weighted rows in (choice, token) order,
+rounding after each addition, and once one slot is shared every slot is built
+that way.  (The compiled operators copy a single row of weight one instead of
+multiplying it by one, which gives the same value.)
 """
 from typing import Optional, Tuple
 
@@ -64,15 +66,7 @@ def gather_slots(rows: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
         started = started | kept[j]
         if other is not None:
             dots[j] = torch.where(kept[j], _dot_rows(row, other, acc), dots.new_zeros(()))
-    kept_count = kept.sum(0)
-    out = torch.where((kept_count > 0).unsqueeze(1), total.to(rows.dtype), out)
-    # A single kept row of weight one is copied, not rounded through the sum.
-    only = kept.to(torch.uint8).argmax(0)  # the kept choice when there is exactly one
-    copied = kept_count == 1
-    if weights is not None:
-        copied = copied & (weights.gather(0, only.unsqueeze(0))[0] == 1)
-    single_rows = table.index_select(0, slot.gather(0, only.unsqueeze(0))[0])
-    out = torch.where(copied.unsqueeze(1), single_rows, out)
+    out = torch.where(started.unsqueeze(1), total.to(rows.dtype), out)
     return out, dots
 
 
@@ -101,12 +95,9 @@ def scatter_slots(src: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
         dots.view(-1)[entries] = _dot_rows(entry_rows, other_rows, acc)
     rank, slot_sizes = rank_in_group(entry_slots, slots)
     if entries.numel() == 0 or int(slot_sizes.max()) <= 1:
-        if entry_weights is None:
-            values = entry_rows
-        else:
-            weighted = (entry_rows.to(acc) * entry_weights.unsqueeze(1)).to(src.dtype)
-            values = torch.where((entry_weights == 1).unsqueeze(1), entry_rows, weighted)
-        out[entry_slots] = values
+        weighted = entry_rows if entry_weights is None else (
+            (entry_rows.to(acc) * entry_weights.unsqueeze(1)).to(src.dtype))
+        out[entry_slots] = weighted
         return out.view(num_experts, capacity, model_dim), dots
     # Some slot is shared: every slot adds its rows one at a time, rounding each sum.
     for step in range(int(slot_sizes.max())):
