@@ -155,8 +155,11 @@ def test_forget_makes_the_next_use_choose_again():
         chooser.operators(CPU)
 
 
-def test_cpu_tensors_use_the_compiled_cpu_operators():
+def test_cpu_tensors_use_the_compiled_cpu_operators_and_other_devices_the_composite_ones():
     assert backend.operators_for(CPU) is native
+    assert backend.operators_for(torch.device("meta")) is native  # the shape functions
+    assert backend.operators_for(torch.device("mps")) is composite
+    assert backend.operators_for(torch.device("xpu", 1)) is composite
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

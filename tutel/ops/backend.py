@@ -1,7 +1,8 @@
 """Which implementation of tutel's operators runs on each device.
 
-CPU tensors always use the compiled CPU operators.  On a CUDA device the choice
-is made once, at the first tutel operator on that device:
+CPU tensors always use the compiled CPU operators, and tensors on devices tutel
+has no compiled operators for (mps, xpu, ...) the composite ones.  On a CUDA
+device the choice is made once, at the first tutel operator on that device:
 
 * ``TUTEL_CUDA_BACKEND=composite``: the composite PyTorch operators
   (tutel.ops.composite) for everything;
@@ -15,8 +16,8 @@ is made once, at the first tutel operator on that device:
   ``TUTEL_CUDA_SELF_CHECK=0`` skips the check (the kernels are used as they are).
 
 The self-check is skipped while torch.compile traces and during a CUDA graph
-capture (the kernels are used unchecked then, and the check runs at the next
-eager call).
+capture (the kernels are used unchecked then, unless TUTEL_CUDA_BACKEND says
+composite, and the choice is made at the next eager call).
 """
 import contextlib
 import os
@@ -105,8 +106,9 @@ class DeviceBackends:
         chosen = self._operators.get(key)
         if chosen is not None:
             return chosen
-        if _self_check_impossible(device) and requested_backend() == "auto":
-            return self._kernels
+        if _self_check_impossible(device):
+            # No check now, and no choice kept: the next eager call chooses.
+            return self._composite if requested_backend() == COMPOSITE else self._kernels
         with self._lock:
             if key not in self._operators:
                 choices = self._choose(device)
@@ -155,6 +157,8 @@ class DeviceBackends:
 
 CUDA_BACKENDS = DeviceBackends(torch.ops.tutel)
 _forced = None  # an operator set used on every device (see use_operators)
+# Devices with compiled operators besides CUDA ("meta": the shape functions torch.compile traces).
+_COMPILED_DEVICE_TYPES = ("cpu", "meta")
 
 
 def operators_for(device: torch.device):
@@ -165,7 +169,9 @@ def operators_for(device: torch.device):
         return _forced
     if device.type == "cuda":
         return CUDA_BACKENDS.operators(device)
-    return torch.ops.tutel
+    if device.type in _COMPILED_DEVICE_TYPES:
+        return torch.ops.tutel
+    return composite  # a device tutel has no compiled operators for (mps, xpu, ...)
 
 
 @contextlib.contextmanager

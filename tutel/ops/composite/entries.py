@@ -8,7 +8,10 @@ def raise_bad_entry(op: str, indices: torch.Tensor, num_experts: int,
                     locations: Optional[torch.Tensor] = None) -> None:
     """Raises for the first bad entry in (choice, token) order, as the CPU operators do:
     IndexError for an expert index outside [0, num_experts), ValueError for a
-    negative location.  Reads one flag back from the device."""
+    negative location.  Reads one flag back from the device; skipped while
+    torch.compile traces (the callers then treat bad entries as dropped)."""
+    if torch.compiler.is_compiling():
+        return
     bad_index = (indices < 0) | (indices >= num_experts)
     bad = bad_index if locations is None else bad_index | (locations < 0)
     if bad.numel() == 0 or not bool(bad.any()):

@@ -20,9 +20,10 @@ from .grouping import rank_in_group
 
 def _kept_slots(op: str, indices: torch.Tensor, locations: torch.Tensor, experts: int,
                 capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(kept [k, T] bool, slot [k, T] int64 row of the [E * C, M] buffer, 0 where dropped)."""
+    """(kept [k, T] bool, slot [k, T] int64 row of the [E * C, M] buffer, 0 where dropped).
+    Bad entries raise; where they cannot be checked they are dropped, as the CUDA kernels do."""
     raise_bad_entry(op, indices, experts, locations)
-    kept = locations < capacity
+    kept = (locations < capacity) & (locations >= 0) & (indices >= 0) & (indices < experts)
     slot = torch.where(kept, indices.long() * capacity + locations.long(), torch.zeros_like(indices, dtype=torch.long))
     return kept, slot
 
