@@ -1,0 +1,89 @@
+// What the kernels-on-CPU tests share: launches with the operators' own plans
+// (csrc/cuda/launch_plan.h), the error sink the kernels report to, output
+// buffers that start as garbage, and the tolerance of a dot product.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "cuda/device_errors.h"
+#include "cuda/launch_plan.h"
+#include "cuda_emulation.h"
+
+namespace kernels_on_cpu {
+
+using tutel::emulation::LaunchOptions;
+using tutel::emulation::Schedule;
+
+// Cycles through the schedules so that cases of one test run under different
+// thread and block orders.
+LaunchOptions schedule_for_case(int case_index);
+
+// Launches `body` (one kernel call) as csrc/cuda/launch.h launches on a GPU:
+// nothing for an empty grid, refused for a grid CUDA cannot launch.
+template <class Body>
+void launch_planned(const char* kernel, tutel::cuda::Grid grid, const LaunchOptions& options, Body body) {
+  if (tutel::cuda::grid_is_empty(grid)) return;
+  if (!tutel::cuda::grid_fits(grid)) throw std::runtime_error(std::string(kernel) + ": grid too large for CUDA");
+  tutel::emulation::launch(kernel, unsigned(grid.x), unsigned(grid.y), TUTEL_BLOCK_THREADS, body, options);
+}
+
+// kernel(args...) on every thread of `grid`, named in failures by the kernel's name.
+#define TUTEL_EMULATED_LAUNCH(kernel, grid, options, ...) \
+  ::kernels_on_cpu::launch_planned(#kernel, grid, options, [&] { kernel(__VA_ARGS__); })
+
+// A buffer of n T whose bytes are all 0xff (NaN for floats, -1 for ints), as
+// an uninitialised GPU allocation might be: outputs a kernel fails to write show.
+template <class T>
+std::vector<T> garbage(int64_t n) {
+  std::vector<T> v(size_t(n > 0 ? n : 0));
+  if (!v.empty()) std::memset(static_cast<void*>(v.data()), 0xff, v.size() * sizeof(T));
+  return v;
+}
+
+// The device error record and flag, on the host.
+struct ErrorChannel {
+  TutelErrorRecord record{0ull, ~0ull, 0, 0};
+  unsigned flag = 0;
+  TutelErrorSink sink() { return TutelErrorSink{&record, &flag, 7}; }
+  std::optional<tutel::cuda::DataError> error() const { return tutel::cuda::decode_error_record(record); }
+};
+
+// The kernels' report equals the CPU operator's Status (same first bad entry).
+void expect_same_error(const ErrorChannel& channel, const tutel::core::Status& status, int op);
+
+// Element-wise bitwise equality, naming the first differing index.
+template <class T>
+::testing::AssertionResult same_bits(const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "sizes " << got.size() << " and " << want.size();
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      auto failure = ::testing::AssertionFailure() << "first difference at element " << i << " of " << got.size();
+      if constexpr (std::is_arithmetic<T>::value) failure << ": got " << +got[i] << ", want " << +want[i];
+      return failure;
+    }
+  return ::testing::AssertionSuccess();
+}
+
+// Whether a dot product computed in accumulation type A, in any order, is
+// within the rounding error of `terms` sums: |got - exact| <= n * eps(A) * sum |x_i y_i|.
+// `exact` and `magnitude` come from the test's float64 (long double) loop.
+template <class A>
+::testing::AssertionResult dot_close(A got, long double exact, long double magnitude, int64_t terms) {
+  const long double eps = sizeof(A) == 8 ? 0x1p-53L : 0x1p-24L;
+  const long double bound = (terms + 1) * eps * magnitude * 1.01L + 1e-300L;
+  const long double error = got > exact ? got - exact : exact - got;
+  if (error <= bound) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "dot " << double(got) << " vs float64 " << double(exact)
+                                       << ": error " << double(error) << " > bound " << double(bound);
+}
+
+}  // namespace kernels_on_cpu
