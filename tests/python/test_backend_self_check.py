@@ -169,3 +169,11 @@ def test_the_real_kernels_pass_the_self_check():
         warnings.simplefilter("error", RuntimeWarning)
         chosen = backend.operators_for(torch.device("cuda", 0))
     assert all(getattr(chosen, name) is getattr(native, name) for name in OPERATORS)
+
+
+def test_the_self_check_leaves_the_random_state_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    compare_operators(native, composite, CPU)
+    assert torch.equal(torch.rand(3), expected)
