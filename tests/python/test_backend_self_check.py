@@ -177,3 +177,20 @@ def test_the_self_check_leaves_the_random_state_alone():
     torch.manual_seed(7)
     compare_operators(native, composite, CPU)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_cuda_devices_without_usable_kernels_get_the_composite_operators(monkeypatch):
+    """The real availability check and the real CUDA chooser; no tensor is put on the device."""
+    import tutel.cuda
+
+    reason = backend.cuda_kernels_unavailable()
+    if tutel.cuda.is_built():
+        assert reason is None or reason.startswith("NVRTC cannot be loaded: ")
+        return
+    assert reason == "tutel was built without CUDA support"
+    monkeypatch.setattr(backend, "CUDA_BACKENDS", DeviceBackends(native))
+    with pytest.warns(RuntimeWarning, match=r"cannot be used on cuda:0 \(tutel was built without CUDA support\)"):
+        chosen = backend.operators_for(torch.device("cuda", 0))
+    assert all(getattr(chosen, name) is getattr(composite, name) for name in OPERATORS)
+    assert tutel.cuda.operator_backends() == {
+        "cuda:0": {name: (COMPOSITE, "tutel was built without CUDA support") for name in OPERATORS}}

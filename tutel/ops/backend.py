@@ -74,7 +74,8 @@ def _self_check_impossible(device: torch.device) -> bool:
     """True while tracing or capturing, when the check cannot run kernels and compare results."""
     if torch.compiler.is_compiling():
         return True
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # (A CPU-only PyTorch has no capture state to ask about.)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class DeviceBackends:
