@@ -194,3 +194,14 @@ def test_cuda_devices_without_usable_kernels_get_the_composite_operators(monkeyp
     assert all(getattr(chosen, name) is getattr(composite, name) for name in OPERATORS)
     assert tutel.cuda.operator_backends() == {
         "cuda:0": {name: (COMPOSITE, "tutel was built without CUDA support") for name in OPERATORS}}
+
+
+@pytest.mark.parametrize("value", ["composite", "nvrtc"])
+def test_the_environment_variable_reaches_the_cuda_chooser(monkeypatch, value):
+    monkeypatch.setattr(backend, "CUDA_BACKENDS", DeviceBackends(native))
+    monkeypatch.setenv(backend.BACKEND_VARIABLE, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = backend.operators_for(torch.device("cuda", 1))
+    implementation = composite if value == "composite" else native
+    assert all(getattr(chosen, name) is getattr(implementation, name) for name in OPERATORS)
