@@ -396,13 +396,18 @@ uint64_t warp_op(Site site, WarpOp op, unsigned mask, uint64_t value, int argume
       case State::kAtBarrier:
         fail(describe(site) + " names lane " + std::to_string(i) + ", which waits at " +
              describe(l.barrier_site));
-      case State::kInWarpOp:
-        if (other.op != op || other.mask != mask || other.site.line != site.line ||
-            std::strcmp(other.site.file, site.file) != 0)
-          fail(describe(site) + " (mask " + std::to_string(mask) + ") while lane " + std::to_string(i) +
-               " waits in " + describe(other.site) + " (mask " + std::to_string(other.mask) +
-               "): diverged warp operation");
+      case State::kInWarpOp: {
+        // A lane busy in another warp operation (another group of lanes, say)
+        // may come here next; if it never can, the scheduler finds a deadlock.
+        const bool same_site = other.site.line == site.line && std::strcmp(other.site.file, site.file) == 0;
+        if (!same_site || other.op != op) {
+          complete = false;
+        } else if (other.mask != mask) {
+          fail(describe(site) + " with mask " + std::to_string(mask) + " while lane " + std::to_string(i) +
+               " waits there with mask " + std::to_string(other.mask));
+        }
         break;
+      }
       case State::kReady: complete = false; break;
     }
   }

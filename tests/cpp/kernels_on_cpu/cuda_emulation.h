@@ -27,10 +27,12 @@
 // naming the kernel, block, thread and source line, rather than passing:
 // __syncthreads reached while other threads of the block have exited or wait
 // at another __syncthreads; a warp operation whose mask names a lane that has
-// exited, waits at a barrier or at a different warp operation, or does not
-// include the calling lane; a shuffle reading a lane outside the mask or its
-// width segment; a width that is not a power of two up to 32; a deadlock; too
-// much shared memory; a block size other than TUTEL_BLOCK_THREADS.
+// exited or waits at a barrier, or leaves out the calling lane; lanes at one
+// warp operation with different masks; a shuffle reading a lane outside the
+// mask or its width segment; a width that is not a power of two up to 32; a
+// deadlock (such as lanes waiting for each other at different warp
+// operations); too much shared memory; a block size other than
+// TUTEL_BLOCK_THREADS.
 // Inline PTX, dynamic shared memory and other built-ins do not compile.
 #pragma once
 

@@ -17,6 +17,8 @@ using namespace kernels_on_cpu;
 // csrc/core's input and output types for this variant's mask_t / sum_t.
 #if defined(TUTEL_MASK_BOOL)
 using CoreIn = bool;
+#elif defined(TUTEL_MASK_INT64)
+using CoreIn = int64_t;  // mask_t is long long
 #else
 using CoreIn = mask_t;
 #endif

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <random>
 #include <string>
@@ -47,6 +48,36 @@ std::vector<T> garbage(int64_t n) {
   if (!v.empty()) std::memset(static_cast<void*>(v.data()), 0xff, v.size() * sizeof(T));
   return v;
 }
+
+// A tensor's memory: n elements at a 16-byte aligned address, or `shift`
+// elements past one (so that the operators' plan picks the scalar kernels);
+// nullptr when empty, as the operators pass empty tensors.  Exactly sized,
+// so AddressSanitizer sees an access past the end.
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(int64_t n, int shift = 0) : n_(n > 0 ? n : 0), shift_(shift) {
+    if (n_ == 0) return;
+    base_ = static_cast<T*>(::operator new(sizeof(T) * size_t(n_ + shift_), std::align_val_t(16)));
+    std::memset(static_cast<void*>(base_), 0xff, sizeof(T) * size_t(n_ + shift_));  // garbage
+  }
+  DeviceBuffer(const std::vector<T>& values, int shift = 0) : DeviceBuffer(int64_t(values.size()), shift) {
+    if (n_ > 0) std::memcpy(static_cast<void*>(data()), values.data(), sizeof(T) * size_t(n_));
+  }
+  ~DeviceBuffer() {
+    if (base_ != nullptr) ::operator delete(base_, std::align_val_t(16));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* data() const { return base_ == nullptr ? nullptr : base_ + shift_; }
+  std::vector<T> values() const { return n_ == 0 ? std::vector<T>() : std::vector<T>(data(), data() + n_); }
+
+ private:
+  int64_t n_;
+  int shift_;
+  T* base_ = nullptr;
+};
 
 // The device error record and flag, on the host.
 struct ErrorChannel {
