@@ -29,6 +29,7 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional
 import torch
 
 from . import composite
+from ._tracing import is_compiling
 from .self_check import OPERATORS, compare_operators
 
 BACKEND_VARIABLE = "TUTEL_CUDA_BACKEND"
@@ -72,7 +73,7 @@ def cuda_kernels_unavailable() -> Optional[str]:
 
 def _self_check_impossible(device: torch.device) -> bool:
     """True while tracing or capturing, when the check cannot run kernels and compare results."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return True
     # (A CPU-only PyTorch has no capture state to ask about.)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

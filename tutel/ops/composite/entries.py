@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from .._tracing import is_compiling
 
 def raise_bad_entry(op: str, indices: torch.Tensor, num_experts: int,
                     locations: Optional[torch.Tensor] = None) -> None:
@@ -10,7 +11,7 @@ def raise_bad_entry(op: str, indices: torch.Tensor, num_experts: int,
     IndexError for an expert index outside [0, num_experts), ValueError for a
     negative location.  Reads one flag back from the device; skipped while
     torch.compile traces (the callers then treat bad entries as dropped)."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return
     bad_index = (indices < 0) | (indices >= num_experts)
     bad = bad_index if locations is None else bad_index | (locations < 0)
