@@ -366,3 +366,28 @@ def test_tutel_routing_api_gives_the_same_results_on_the_composite_operators(dty
     # can cancel, so it keeps the dot products' absolute rounding.
     assert_sums_close(gates_grad, c_gates_grad, dtype)
     assert_sums_close(scores_grad, c_scores_grad, dtype, scale=float(gates_grad.abs().max()))
+
+
+BAD_ARGUMENTS = [  # (operator, which argument is replaced, by what, exception)
+    ("gather_slots", 0, torch.randn(4, 2), ValueError),                              # rows not 3-D
+    ("gather_slots", 0, torch.ones(4, 2, 3, dtype=torch.int32), TypeError),          # integer rows
+    ("gather_slots", 1, torch.zeros(2, 3, dtype=torch.int64), TypeError),            # int64 indices
+    ("gather_slots", 2, torch.zeros(2, 4, dtype=torch.int32), ValueError),           # shapes differ
+    ("gather_slots", 3, torch.ones(2, 3, dtype=torch.float64), TypeError),           # weights dtype
+    ("gather_slots", 3, torch.ones(3, 2), ValueError),                               # weights shape
+    ("gather_slots", 4, torch.ones(3, 4), ValueError),                               # other shape
+    ("scatter_slots", 0, torch.randn(4, 3), ValueError),                             # 4 rows, 3 tokens
+    ("scatter_slots", 4, torch.ones(4, 2, 3, dtype=torch.float64), TypeError),       # other dtype
+    ("scatter_slots", 5, 0, ValueError),                                             # no experts
+]
+
+
+@pytest.mark.parametrize("op,position,value,error", BAD_ARGUMENTS)
+def test_bad_arguments_raise_like_the_cpu_operators(op, position, value, error):
+    indices, locations = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32)
+    args = ([torch.randn(4, 2, 3), indices, locations, None, None] if op == "gather_slots"
+            else [torch.randn(3, 3), indices, locations, None, None, 4, 2])
+    args[position] = value
+    for implementation in (native, composite):
+        with pytest.raises(error, match=f"tutel::{op}: "):
+            getattr(implementation, op)(*args)

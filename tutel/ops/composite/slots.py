@@ -18,6 +18,37 @@ from .entries import raise_bad_entry
 from .grouping import rank_in_group
 
 
+def _check_arguments(op: str, data: torch.Tensor, data_name: str, data_dim: int, indices: torch.Tensor,
+                     locations: torch.Tensor, weights: Optional[torch.Tensor], other: Optional[torch.Tensor],
+                     other_shape: Tuple[int, ...]) -> None:
+    """The compiled operators' argument checks (csrc/ops/op_args.cpp), with their exception types."""
+    where = f"tutel::{op}"
+    if data.dim() != data_dim:
+        raise ValueError(f"{where}: `{data_name}` must be {data_dim}-D, got shape {tuple(data.shape)}")
+    if data.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"{where}: `{data_name}` must be float32, float64, bfloat16 or float16, got {data.dtype}")
+    for name, table in (("indices", indices), ("locations", locations)):
+        if table.dtype != torch.int32:
+            raise TypeError(f"{where}: `{name}` must have dtype torch.int32, got {table.dtype}")
+        if table.device != data.device:
+            raise ValueError(f"{where}: `{name}` is on {table.device} but the data is on {data.device}")
+    if indices.dim() != 2 or indices.shape != locations.shape:
+        raise ValueError(f"{where}: `indices` and `locations` must have the same shape [k, tokens], got "
+                         f"{tuple(indices.shape)} and {tuple(locations.shape)}")
+    if weights is not None:
+        if weights.dtype != accumulation_dtype(data.dtype):
+            raise TypeError(f"{where}: `weights` must have dtype {accumulation_dtype(data.dtype)}, got {weights.dtype}")
+        if weights.shape != indices.shape or weights.device != data.device:
+            raise ValueError(f"{where}: `weights` must be a {tuple(indices.shape)} tensor on {data.device}, got "
+                             f"{tuple(weights.shape)} on {weights.device}")
+    if other is not None:
+        if other.dtype != data.dtype:
+            raise TypeError(f"{where}: `other` must have dtype {data.dtype}, got {other.dtype}")
+        if tuple(other.shape) != tuple(other_shape) or other.device != data.device:
+            raise ValueError(f"{where}: `other` must have shape {tuple(other_shape)} on {data.device}, got "
+                             f"{tuple(other.shape)} on {other.device}")
+
+
 def _kept_slots(op: str, indices: torch.Tensor, locations: torch.Tensor, experts: int,
                 capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(kept [k, T] bool, slot [k, T] int64 row of the [E * C, M] buffer, 0 where dropped).
@@ -47,6 +78,8 @@ def gather_slots(rows: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
     rows [E, C, M]; indices, locations [k, T] int32; weights [k, T] in the
     accumulation dtype or None (weight 1).
     """
+    _check_arguments("gather_slots", rows, "rows", 3, indices, locations, weights, other,
+                     (indices.shape[-1], rows.shape[-1]) if rows.dim() == 3 else ())
     experts, capacity, model_dim = rows.shape
     k, tokens = indices.shape
     acc = accumulation_dtype(rows.dtype)
@@ -81,6 +114,14 @@ def scatter_slots(src: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
     src [T, M]; indices, locations [k, T] int32; weights [k, T] in the
     accumulation dtype or None (weight 1).
     """
+    _check_arguments("scatter_slots", src, "src", 2, indices, locations, weights, other,
+                     (num_experts, capacity, src.shape[-1]) if src.dim() == 2 else ())
+    if num_experts < 1 or capacity < 0:
+        raise ValueError(f"tutel::scatter_slots: num_experts must be >= 1 and capacity >= 0, got {num_experts} "
+                         f"and {capacity}")
+    if src.shape[0] != indices.shape[1]:
+        raise ValueError(f"tutel::scatter_slots: `src` has {src.shape[0]} rows but `indices` describes "
+                         f"{indices.shape[1]} tokens")
     tokens, model_dim = src.shape
     acc = accumulation_dtype(src.dtype)
     slots = num_experts * capacity
