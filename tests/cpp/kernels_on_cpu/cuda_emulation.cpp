@@ -239,7 +239,10 @@ void fiber_entry() {
 
 void make_ready(Launch& l, unsigned t) {
   (*l.fibers)[t].state = State::kReady;
-  l.ready.push_back(t);
+  if (l.options.schedule == Schedule::kRunAhead)
+    l.ready.push_front(t);
+  else
+    l.ready.push_back(t);
 }
 
 // Thread order of a block, and order of the blocks of a grid.

@@ -8,7 +8,7 @@
 //
 // Execution model:
 // * The blocks of a grid run one after another, in an order set by the
-//   schedule (ascending, descending or shuffled).  Each block's threads are
+//   schedule (ascending, descending, shuffled, run-ahead).  Each block's threads are
 //   fibers (ucontext) on the calling thread, scheduled cooperatively: a thread
 //   runs until it waits at __syncthreads, at a warp operation, or exits.  So
 //   barriers and warp operations have CUDA's semantics (independent thread
@@ -65,7 +65,10 @@ class EmulationError : public std::runtime_error {
 };
 
 // The order in which a block's ready threads run (and the blocks of a grid).
-enum class Schedule { kAscending, kDescending, kShuffled };
+// Released threads queue behind the others, except with kRunAhead: there the
+// threads a warp operation or barrier releases run first, so one warp may
+// finish before the next one starts (as it may on a GPU).
+enum class Schedule { kAscending, kDescending, kShuffled, kRunAhead };
 
 struct LaunchOptions {
   Schedule schedule = Schedule::kAscending;

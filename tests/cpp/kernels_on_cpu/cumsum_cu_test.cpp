@@ -64,8 +64,9 @@ TEST_P(CumsumCu, MatchesCoreBitForBit) {
   std::vector<sum_t> want(static_cast<size_t>(rows * cols));
   tutel::core::cumsum_sub_one<CoreIn, CoreOut>(reinterpret_cast<const CoreIn*>(x.data()), rows, cols,
                                                reinterpret_cast<CoreOut*>(want.data()));
-  const auto got = cumsum_on_cpu(x, rows, cols, schedule_for_case(int(rows + cols)));
-  EXPECT_TRUE(same_bits(got, want));
+  for (const LaunchOptions& options : schedules_for_case(int(rows + cols)))
+    EXPECT_TRUE(same_bits(cumsum_on_cpu(x, rows, cols, options), want))
+        << "schedule " << int(options.schedule);
 }
 
 // 1 and several chunks of 128 rows, 1 and 2 blocks of columns, empty shapes.

@@ -3,11 +3,18 @@
 namespace kernels_on_cpu {
 
 LaunchOptions schedule_for_case(int case_index) {
-  static const Schedule kSchedules[] = {Schedule::kAscending, Schedule::kShuffled, Schedule::kDescending};
+  static const Schedule kSchedules[] = {Schedule::kAscending, Schedule::kShuffled, Schedule::kDescending,
+                                        Schedule::kRunAhead};
   LaunchOptions options;
-  options.schedule = kSchedules[case_index % 3];
+  options.schedule = kSchedules[case_index % 4];
   options.seed = uint64_t(case_index) * 7919u + 1u;
   return options;
+}
+
+std::vector<LaunchOptions> schedules_for_case(int case_index) {
+  LaunchOptions run_ahead = schedule_for_case(3);
+  LaunchOptions other = schedule_for_case(case_index % 4 == 3 ? case_index + 1 : case_index);
+  return {run_ahead, other};
 }
 
 void expect_same_error(const ErrorChannel& channel, const tutel::core::Status& status, int op) {

@@ -27,6 +27,10 @@ using tutel::emulation::Schedule;
 // thread and block orders.
 LaunchOptions schedule_for_case(int case_index);
 
+// The schedules a case runs under: run-ahead (which exposes a missing barrier
+// between phases of a kernel) and one of the others, in turn.
+std::vector<LaunchOptions> schedules_for_case(int case_index);
+
 // Launches `body` (one kernel call) as csrc/cuda/launch.h launches on a GPU:
 // nothing for an empty grid, refused for a grid CUDA cannot launch.
 template <class Body>

@@ -110,11 +110,18 @@ Routing route_on_cpu(const std::vector<storage_t>& scores, const Case& c, bool b
 
 class RoutingTopkCu : public ::testing::TestWithParam<Case> {};
 
+void check_routing(const Case& c, bool batch_prioritized, const std::vector<storage_t>& scores, const Routing& got);
+
 void check_routing(const Case& c, bool batch_prioritized) {
   std::mt19937 rng(unsigned(c.tokens * 3 + c.experts * 71 + c.k + batch_prioritized));
   const std::vector<storage_t> scores = random_scores(c, rng);
-  const Routing got = route_on_cpu(scores, c, batch_prioritized,
-                                   schedule_for_case(int(c.tokens + c.experts + c.k + batch_prioritized)));
+  for (const LaunchOptions& options : schedules_for_case(int(c.tokens + c.experts + c.k + batch_prioritized))) {
+    SCOPED_TRACE(::testing::Message() << "schedule " << int(options.schedule));
+    check_routing(c, batch_prioritized, scores, route_on_cpu(scores, c, batch_prioritized, options));
+  }
+}
+
+void check_routing(const Case& c, bool batch_prioritized, const std::vector<storage_t>& scores, const Routing& got) {
 
   std::vector<int32_t> indices(static_cast<size_t>(c.k * c.tokens)), locations(indices.size()),
       counts(static_cast<size_t>(c.k * c.experts));

@@ -49,6 +49,9 @@ Assignment assign_on_cpu(const std::vector<int32_t>& indices, const int32_t* ord
 
 class SlotAssignmentCu : public ::testing::TestWithParam<Case> {};
 
+void check_assignment(const Assignment& got, const ErrorChannel& errors, const std::vector<int32_t>& indices,
+                      const std::vector<bool>& is_bad, const int32_t* order_ptr, const Case& c);
+
 TEST_P(SlotAssignmentCu, MatchesCoreBitForBit) {
   const Case c = GetParam();
   std::mt19937 rng(unsigned(c.tokens * 7 + c.k * 131 + c.experts * 17 + c.bad));
@@ -67,10 +70,16 @@ TEST_P(SlotAssignmentCu, MatchesCoreBitForBit) {
   std::shuffle(order.begin(), order.end(), rng);
   const int32_t* order_ptr = c.ordered && c.tokens > 0 ? order.data() : nullptr;
 
-  ErrorChannel errors;
-  const Assignment got = assign_on_cpu(indices, order_ptr, c, errors,
-                                       schedule_for_case(int(c.tokens + c.k + c.experts)));
+  for (const LaunchOptions& options : schedules_for_case(int(c.tokens + c.k + c.experts))) {
+    SCOPED_TRACE(::testing::Message() << "schedule " << int(options.schedule));
+    ErrorChannel errors;
+    const Assignment got = assign_on_cpu(indices, order_ptr, c, errors, options);
+    check_assignment(got, errors, indices, is_bad, order_ptr, c);
+  }
+}
 
+void check_assignment(const Assignment& got, const ErrorChannel& errors, const std::vector<int32_t>& indices,
+                      const std::vector<bool>& is_bad, const int32_t* order_ptr, const Case& c) {
   // The CPU operator on the same input reports the same first bad entry.
   std::vector<int32_t> want_locations(indices.size()), want_counts(static_cast<size_t>(c.k * c.experts));
   const auto status = tutel::core::assign_locations(indices.data(), c.tokens, c.k, c.experts, order_ptr,
