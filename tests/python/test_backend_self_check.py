@@ -205,3 +205,18 @@ def test_the_environment_variable_reaches_the_cuda_chooser(monkeypatch, value):
         chosen = backend.operators_for(torch.device("cuda", 1))
     implementation = composite if value == "composite" else native
     assert all(getattr(chosen, name) is getattr(implementation, name) for name in OPERATORS)
+
+
+@pytest.mark.parametrize("value,expected", [(None, "kernels"), ("composite", "composite")])
+def test_while_tracing_nothing_is_checked_or_kept(monkeypatch, value, expected):
+    if value is not None:
+        monkeypatch.setenv(backend.BACKEND_VARIABLE, value)
+    monkeypatch.setattr(backend, "is_compiling", lambda: True)
+    kernels = perturbed("gather_slots")
+    chooser = DeviceBackends(kernels, kernels_unavailable=lambda: None)
+    assert chooser.operators(CPU) is (kernels if expected == "kernels" else composite)
+    assert chooser.choices() == {}
+    monkeypatch.setattr(backend, "is_compiling", lambda: False)
+    with pytest.warns(RuntimeWarning, match="gather_slots") if value is None else warnings.catch_warnings():
+        chooser.operators(CPU)  # the first eager call chooses
+    assert "cpu" in chooser.choices()

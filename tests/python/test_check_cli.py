@@ -38,3 +38,23 @@ def test_a_mismatch_gives_exit_status_one(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "cumsum_sub_one             MISMATCH: " in out
     assert "FAILED" in out and "Please send this whole output" in out
+
+
+def test_the_per_gpu_checks_run_with_the_cpu_standing_in(monkeypatch, capsys):
+    """check_gpu's code path on a machine without a GPU: the CPU operators stand in for the
+    kernels and a fresh chooser for the CUDA one (told the kernels cannot load)."""
+    from tutel.ops import backend
+    from tutel.ops.self_check import QUICK_SIZES
+
+    monkeypatch.delenv(backend.BACKEND_VARIABLE, raising=False)
+    chooser = backend.DeviceBackends(torch.ops.tutel, kernels_unavailable=lambda: "no GPU in this test")
+    monkeypatch.setattr(check, "CUDA_BACKENDS", chooser)
+    report = check.Report()
+    check.check_gpu(report, torch.device("cpu"), QUICK_SIZES[:1])
+    out = capsys.readouterr().out
+    assert report.failures == []
+    for title in ("self-check on cpu", "CUDA kernels against the CPU operators (cpu, ",
+                  "composite operators against the CPU operators (cpu, ", "backend in use on cpu"):
+        assert f"== {title}" in out, out
+    assert "cannot be used on cpu (no GPU in this test)" in out
+    assert "route_topk                 composite (no GPU in this test)" in out
