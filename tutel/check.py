@@ -221,6 +221,8 @@ def time_operators(report: Report, device: torch.device, reps: int) -> None:
     for dtype in dtypes:
         problem = _timing_problem(device, dtype, tokens, model_dim)
         for name in OPERATORS:
+            if name == "cumsum_sub_one" and dtype != dtypes[0]:
+                continue  # its mask is int32 whatever the data dtype
             run = problem[name]
             samples: Dict[str, List[float]] = {"compiled": [], "composite": []}
             for implementation in (torch.ops.tutel, composite):  # warm-up (compiles the kernels)
