@@ -24,6 +24,7 @@
 #endif
 #endif
 #ifdef TUTEL_EMULATION_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -266,6 +267,10 @@ void run_block(Launch& l, uint3 block, dim3 grid) {
     f.coordinates = ThreadCoordinates{uint3{t, 0, 0}, block, dim3{l.threads, 1, 1}, grid};
     f.state = State::kReady;
     f.fake_stack = nullptr;
+#ifdef TUTEL_EMULATION_ASAN
+    // The previous block's fibers never returned: their frames' redzones are still poisoned.
+    __asan_unpoison_memory_region(f.stack, kStackBytes);
+#endif
     make_context(f.context, f.stack, kStackBytes, &fiber_entry);
     l.ready.push_back(t);
   }
