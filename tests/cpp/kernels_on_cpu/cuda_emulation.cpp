@@ -303,7 +303,7 @@ void run_block(Launch& l, uint3 block, dim3 grid) {
 }
 
 // The result of `op` for `lane` once every lane of the mask has posted.
-uint64_t warp_result(const Launch& l, const Fiber* warp, unsigned lane) {
+uint64_t warp_result(const Fiber* warp, unsigned lane) {
   const Fiber& self = warp[lane];
   const unsigned mask = self.mask;
   const int width = self.width;
@@ -341,7 +341,6 @@ uint64_t warp_result(const Launch& l, const Fiber* warp, unsigned lane) {
   }
   if (!(mask >> source & 1u))
     throw std::string("reads lane ") + std::to_string(source) + ", which is not in the mask";
-  (void)l;
   return warp[source].value;
 }
 
@@ -424,7 +423,7 @@ uint64_t warp_op(Site site, WarpOp op, unsigned mask, uint64_t value, int argume
     for (unsigned i = 0; i < kWarp; ++i) {
       if (!(mask >> i & 1u)) continue;
       try {
-        results[i] = warp_result(l, warp, i);
+        results[i] = warp_result(warp, i);
       } catch (const std::string& problem) {
         fail(describe(site) + ": lane " + std::to_string(i) + " " + problem);
       }

@@ -95,6 +95,15 @@ std::vector<storage_t> random_rows(int64_t n, std::mt19937& rng) {
   return v;
 }
 
+// csrc/core takes row pointers even when rows are empty (model_dim 0) and
+// hands them to memcpy, which must not see a null pointer: empty vectors get
+// one unused element for the core's calls.
+template <class T>
+std::vector<T> for_core(std::vector<T> v) {
+  if (v.empty()) v.resize(1);
+  return v;
+}
+
 // Bad entries as the kernels treat them: dropped (location == capacity).
 Problem with_bad_entries_dropped(const Problem& p, const Case& c) {
   Problem q = p;
@@ -172,12 +181,13 @@ TEST_P(DispatchCu, GatherMatchesCore) {
                               errors.sink());
       EXPECT_EQ(plan.layout.vector, c.shift == 0 && c.model_dim % (16 / int64_t(sizeof(storage_t))) == 0);
 
-      std::vector<storage_t> want(static_cast<size_t>(c.tokens * c.model_dim));
-      std::vector<acc_t> want_dots(static_cast<size_t>(c.k * c.tokens));
+      std::vector<storage_t> want = for_core(std::vector<storage_t>(static_cast<size_t>(c.tokens * c.model_dim)));
+      std::vector<acc_t> want_dots = for_core(std::vector<acc_t>(static_cast<size_t>(c.k * c.tokens)));
       const auto status = core::gather_slots<CoreT>(
-          reinterpret_cast<const CoreT*>(rows.data()), c.model_dim, table_of(p, c),
-          weighted ? p.weights.data() : nullptr, reinterpret_cast<const CoreT*>(other.data()),
+          reinterpret_cast<const CoreT*>(for_core(rows).data()), c.model_dim, table_of(p, c),
+          weighted ? p.weights.data() : nullptr, reinterpret_cast<const CoreT*>(for_core(other).data()),
           want_dots.data(), reinterpret_cast<CoreT*>(want.data()));
+      want.resize(static_cast<size_t>(c.tokens * c.model_dim));
       expect_same_error(errors, status, TUTEL_OP_GATHER_SLOTS);
       EXPECT_TRUE(same_bits(d_out.values(), want)) << "out";
       if (with_dots) check_dots(d_dots.values(), p, c, rows, other);
@@ -223,17 +233,19 @@ TEST_P(DispatchCu, ScatterMatchesCore) {
 
       // The CPU operator reports the same first bad entry; it writes nothing
       // then, so the rows are compared with its result once they are dropped.
-      std::vector<storage_t> want(static_cast<size_t>(slots * c.model_dim));
-      std::vector<acc_t> want_dots(static_cast<size_t>(c.k * c.tokens));
+      std::vector<storage_t> want = for_core(std::vector<storage_t>(static_cast<size_t>(slots * c.model_dim)));
+      std::vector<acc_t> want_dots = for_core(std::vector<acc_t>(static_cast<size_t>(c.k * c.tokens)));
+      const std::vector<storage_t> core_src = for_core(src), core_other = for_core(other);
       const auto status = core::scatter_slots<CoreT>(
-          reinterpret_cast<const CoreT*>(src.data()), c.model_dim, table_of(p, c), nullptr, nullptr, nullptr,
+          reinterpret_cast<const CoreT*>(core_src.data()), c.model_dim, table_of(p, c), nullptr, nullptr, nullptr,
           reinterpret_cast<CoreT*>(want.data()));
       expect_same_error(errors, status, TUTEL_OP_SCATTER_SLOTS);
       const Problem dropped = with_bad_entries_dropped(p, c);
-      ASSERT_TRUE(core::scatter_slots<CoreT>(reinterpret_cast<const CoreT*>(src.data()), c.model_dim,
+      ASSERT_TRUE(core::scatter_slots<CoreT>(reinterpret_cast<const CoreT*>(core_src.data()), c.model_dim,
                                              table_of(dropped, c), weighted ? p.weights.data() : nullptr,
-                                             reinterpret_cast<const CoreT*>(other.data()), want_dots.data(),
+                                             reinterpret_cast<const CoreT*>(core_other.data()), want_dots.data(),
                                              reinterpret_cast<CoreT*>(want.data())).ok());
+      want.resize(static_cast<size_t>(slots * c.model_dim));
       EXPECT_TRUE(same_bits(d_out.values(), want)) << "out";
       if (with_dots) check_dots(d_dots.values(), p, c, other, src);
     }
