@@ -116,11 +116,7 @@ void make_context(Context& c, char* stack, size_t size, void (*entry)()) {
 // Static shared memory a block may use on every GPU tutel supports.
 constexpr size_t kMaxSharedBytes = 48 * 1024;
 constexpr int kWarp = 32;
-#ifdef TUTEL_EMULATION_ASAN
-constexpr size_t kStackBytes = 1024 * 1024;
-#else
-constexpr size_t kStackBytes = 256 * 1024;
-#endif
+constexpr size_t kStackBytes = 256 * 1024;  // ample for the kernels, with AddressSanitizer's redzones too
 
 enum class State { kReady, kAtBarrier, kInWarpOp, kExited };
 

@@ -263,7 +263,7 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, DispatchCu,
     ::testing::Values(Case{0, 3, 1, 4, 5}, Case{5, 2, 2, 3, 0}, Case{37, 5, 2, 0, 8}, Case{1, 1, 1, 1, 1},
                       Case{150, 5, 2, 70, 7}, Case{150, 4, 3, 120, 32}, misaligned(Case{150, 4, 3, 120, 32}),
-                      Case{40, 3, 2, 30, 1000}, Case{200, 8, 2, 10, 16}, shared(Case{300, 8, 2, 40, 9}),
+                      Case{40, 3, 2, 30, 1000}, Case{200, 8, 2, 10, 16}, shared(Case{130, 8, 2, 40, 9}),
                       bad(Case{37, 5, 2, 9, 7}, 4), bad(shared(Case{60, 3, 3, 20, 32}), 3)),
     [](const auto& info) {
       const Case& c = info.param;
