@@ -8,8 +8,10 @@
 //
 // Execution model:
 // * The blocks of a grid run one after another, in an order set by the
-//   schedule (ascending, descending, shuffled, run-ahead).  Each block's threads are
-//   fibers (ucontext) on the calling thread, scheduled cooperatively: a thread
+//   schedule (ascending, descending, shuffled, run-ahead).  Each block's
+//   threads are fibers with stacks of their own on the calling thread (switched
+//   by a few instructions on x86-64, by ucontext elsewhere), scheduled
+//   cooperatively: a thread
 //   runs until it waits at __syncthreads, at a warp operation, or exits.  So
 //   barriers and warp operations have CUDA's semantics (independent thread
 //   scheduling: lanes of a warp meet only at *_sync operations), and the
