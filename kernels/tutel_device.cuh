@@ -32,7 +32,10 @@ __device__ __forceinline__ storage_t from_acc(acc_t v) { return v; }
 typedef unsigned short storage_t;
 typedef float acc_t;
 // The hardware conversions: exact widening, and IEEE round-to-nearest-even
-// narrowing with overflow to infinity and gradual underflow.
+// narrowing with overflow to infinity and gradual underflow.  PTX is for the
+// GPU only: the host-compiled build of the tests (TUTEL_HOST_EMULATION, see
+// tests/cpp/kernels_on_cpu) gets the same two conversions from its header.
+#ifndef TUTEL_HOST_EMULATION
 __device__ __forceinline__ acc_t to_acc(storage_t v) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
@@ -43,6 +46,10 @@ __device__ __forceinline__ storage_t from_acc(acc_t v) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
   return h;
 }
+#else
+__device__ __forceinline__ acc_t to_acc(storage_t v) { return emulated_cvt_f32_f16(v); }
+__device__ __forceinline__ storage_t from_acc(acc_t v) { return emulated_cvt_rn_f16_f32(v); }
+#endif
 #define TUTEL_HAS_DTYPE 1
 
 #elif defined(TUTEL_DTYPE_BFLOAT16)

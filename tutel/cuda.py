@@ -5,7 +5,7 @@ without synchronising the GPU with the host: a bad entry is treated as a
 dropped choice and reported at the start of the next tutel CUDA operator on
 that device, or at once by :func:`check_errors`.  See docs/cuda-backend.md.
 """
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -71,3 +71,13 @@ def _torch_cuda_major() -> Optional[int]:
 
 if is_built():
     _C._cuda_set_nvrtc_search_dirs(nvrtc_search_dirs(_torch_cuda_major()))
+
+
+def operator_backends() -> Dict[str, Dict[str, Tuple[str, str]]]:
+    """For each CUDA device tutel's operators have run on: {device: {operator:
+    (implementation, reason)}}, the implementation being "nvrtc" (the compiled
+    kernels) or "composite" (plain PyTorch operations); see docs/cuda-backend.md."""
+    from .ops.backend import CUDA_BACKENDS  # tutel.ops imports this module's siblings
+
+    return {device: {name: tuple(choice) for name, choice in choices.items()}
+            for device, choices in CUDA_BACKENDS.choices().items()}

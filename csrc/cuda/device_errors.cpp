@@ -79,6 +79,10 @@ std::optional<DataError> take_data_error(int device, bool synchronize) {
   check_driver(api.cuMemcpyDtoH(&record, c->record, sizeof(record)), "cuMemcpyDtoH");
   check_driver(api.cuMemcpyHtoD(c->record, &kEmptyRecord, sizeof(kEmptyRecord)), "cuMemcpyHtoD");
   *c->flag = 0;
+  return decode_error_record(record);
+}
+
+std::optional<DataError> decode_error_record(const TutelErrorRecord& record) {
   if (record.call_id == 0 || record.tokens <= 0) return std::nullopt;
   const int64_t entry = int64_t(record.key >> 33);
   DataError error;

@@ -37,6 +37,9 @@ TutelErrorSink error_sink(int device);
 // pending while a stream is being captured (synchronising is not allowed).
 std::optional<DataError> take_data_error(int device, bool synchronize);
 
+// The error a record holds (see TutelErrorRecord), or nullopt for the empty record.
+std::optional<DataError> decode_error_record(const TutelErrorRecord& record);
+
 // True if a kernel on `device` has raised the flag (a plain memory read).
 bool data_error_pending(int device);
 

@@ -5,30 +5,20 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <string>
 
 #include "../../kernels/kernel_abi.h"
 #include "driver.h"
+#include "launch_plan.h"
 
 namespace tutel {
 namespace cuda {
 
-struct Grid {
-  int64_t x = 1;
-  int64_t y = 1;
-};
-
-// Blocks needed for `items` items at `per_block` items per block.
-inline int64_t blocks_for(int64_t items, int64_t per_block) {
-  return (items + per_block - 1) / per_block;
-}
-
 template <class... Args>
 void launch_kernel(CUfunction function, Grid grid, CUstream stream, const char* what,
                    Args... args) {
-  if (grid.x <= 0 || grid.y <= 0) return;  // nothing to do
-  if (grid.x > std::numeric_limits<int32_t>::max() || grid.y > 65535)
+  if (grid_is_empty(grid)) return;  // nothing to do
+  if (!grid_fits(grid))
     throw DriverError(std::string("tutel: ") + what + " needs a grid of " + std::to_string(grid.x) +
                       " x " + std::to_string(grid.y) + " blocks, more than CUDA allows");
   void* params[] = {static_cast<void*>(&args)...};

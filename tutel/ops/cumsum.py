@@ -2,6 +2,7 @@
 import torch
 
 from ._checks import require_int, require_tensor
+from .backend import operators_for
 
 
 def cumsum_sub_one(data: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -23,4 +24,4 @@ def cumsum_sub_one(data: torch.Tensor, dim: int = 0) -> torch.Tensor:
     for size in shape[1:]:
         columns *= size
     flat = moved.reshape(shape[0], columns)
-    return torch.ops.tutel.cumsum_sub_one(flat).reshape(shape).movedim(0, dim)
+    return operators_for(flat.device).cumsum_sub_one(flat).reshape(shape).movedim(0, dim)

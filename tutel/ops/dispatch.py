@@ -20,12 +20,13 @@ from ._checks import (
     same_device,
     stack_choices,
 )
+from .backend import operators_for
 
 
 class _Encode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices, locations, gates, num_experts, capacity):
-        out, _ = torch.ops.tutel.scatter_slots(x, indices, locations, gates, None, num_experts, capacity)
+        out, _ = operators_for(x.device).scatter_slots(x, indices, locations, gates, None, num_experts, capacity)
         gate_grad = gates is not None and ctx.needs_input_grad[3]
         ctx.save_for_backward(x if gate_grad else None, indices, locations, gates)
         return out
@@ -33,7 +34,7 @@ class _Encode(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, indices, locations, gates = ctx.saved_tensors
-        grad_x, grad_gates = torch.ops.tutel.gather_slots(grad_out.contiguous(), indices, locations, gates, x)
+        grad_x, grad_gates = operators_for(grad_out.device).gather_slots(grad_out.contiguous(), indices, locations, gates, x)
         return (grad_x if ctx.needs_input_grad[0] else None, None, None,
                 grad_gates if x is not None else None, None, None)
 
@@ -41,7 +42,7 @@ class _Encode(torch.autograd.Function):
 class _Decode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, indices, locations, gates):
-        out, _ = torch.ops.tutel.gather_slots(y, indices, locations, gates, None)
+        out, _ = operators_for(y.device).gather_slots(y, indices, locations, gates, None)
         gate_grad = gates is not None and ctx.needs_input_grad[3]
         ctx.save_for_backward(y if gate_grad else None, indices, locations, gates)
         ctx.buffer_shape = y.shape
@@ -51,7 +52,7 @@ class _Decode(torch.autograd.Function):
     def backward(ctx, grad_out):
         y, indices, locations, gates = ctx.saved_tensors
         num_experts, capacity = ctx.buffer_shape[0], ctx.buffer_shape[1]
-        grad_y, grad_gates = torch.ops.tutel.scatter_slots(
+        grad_y, grad_gates = operators_for(grad_out.device).scatter_slots(
             grad_out.contiguous(), indices, locations, gates, y, num_experts, capacity)
         return (grad_y if ctx.needs_input_grad[0] else None, None, None,
                 grad_gates if y is not None else None)

@@ -4,6 +4,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._checks import as_slot_tensor, require_dim, require_floating, require_int, same_device
+from .backend import operators_for
 
 
 class RoutingResult(NamedTuple):
@@ -18,7 +19,7 @@ class RoutingResult(NamedTuple):
 class _RouteTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, k, batch_prioritized):
-        indices, gates, locations, counts = torch.ops.tutel.route_topk(scores, k, batch_prioritized)
+        indices, gates, locations, counts = operators_for(scores.device).route_topk(scores, k, batch_prioritized)
         ctx.save_for_backward(indices)
         ctx.scores_shape = scores.shape
         ctx.mark_non_differentiable(indices, locations, counts)
@@ -78,4 +79,4 @@ def assign_locations(indices, num_experts: int,
     if priority is not None:
         require_floating(priority, "priority", where)
         same_device(indices, priority, "priority", where)
-    return torch.ops.tutel.assign_locations(indices, num_experts, priority)
+    return operators_for(indices.device).assign_locations(indices, num_experts, priority)

@@ -15,14 +15,6 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const char* const kVariantDefines[] = {
-    "",
-    "TUTEL_DTYPE_FLOAT32", "TUTEL_DTYPE_FLOAT64", "TUTEL_DTYPE_FLOAT16", "TUTEL_DTYPE_BFLOAT16",
-    "TUTEL_MASK_BOOL", "TUTEL_MASK_UINT8", "TUTEL_MASK_INT8", "TUTEL_MASK_INT16",
-    "TUTEL_MASK_INT32", "TUTEL_MASK_INT64", "TUTEL_MASK_FLOAT32", "TUTEL_MASK_FLOAT64"};
-static_assert(sizeof(kVariantDefines) / sizeof(kVariantDefines[0]) == static_cast<int>(Variant::kCount),
-              "one define per variant");
-
 const char* op_name(int op) {
   switch (op) {
     case TUTEL_OP_GATHER_SLOTS: return "gather_slots";
@@ -101,7 +93,7 @@ CUfunction KernelFamily::get(int device, Variant variant) const {
   auto& slot = handles_[static_cast<int>(variant)];
   cuda::KernelHandle* handle = slot.load(std::memory_order_acquire);
   if (handle == nullptr) {
-    auto* created = new cuda::KernelHandle(file_, kVariantDefines[static_cast<int>(variant)], function_);
+    auto* created = new cuda::KernelHandle(file_, cuda::variant_define(variant), function_);
     if (slot.compare_exchange_strong(handle, created, std::memory_order_acq_rel)) {
       handle = created;
     } else {

@@ -12,6 +12,7 @@
 #include "../../cuda/driver_api.h"
 #include "../../cuda/kernel_programs.h"
 #include "../../cuda/launch.h"
+#include "../../cuda/launch_plan.h"
 
 namespace tutel {
 namespace ops {
@@ -45,13 +46,8 @@ class CudaOpScope {
 // by an earlier call.
 void raise_data_errors(int device);
 
-// The variants a kernel source is compiled in (its `// variants:` line).
-enum class Variant : int {
-  kNone,
-  kFloat32, kFloat64, kFloat16, kBFloat16,  // routing and dispatch data
-  kMaskBool, kMaskUint8, kMaskInt8, kMaskInt16, kMaskInt32, kMaskInt64, kMaskFloat32, kMaskFloat64,
-  kCount
-};
+// The variants a kernel source is compiled in (see cuda/launch_plan.h).
+using cuda::Variant;
 
 // The variant for floating-point data of `dtype` (TUTEL_DTYPE_*).
 Variant data_variant(at::ScalarType dtype);

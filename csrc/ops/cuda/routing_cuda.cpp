@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <tuple>
 
 #include "../op_args.h"
@@ -22,12 +21,6 @@ const KernelFamily kCountChoices{"slot_assignment.cu", "count_choices"};
 const KernelFamily kScanChoiceCounts{"slot_assignment.cu", "scan_choice_counts"};
 const KernelFamily kAssignSlots{"slot_assignment.cu", "assign_slots"};
 
-// Tokens per chunk of the slot-assignment table [chunks, k, experts]: 64, or
-// more when k * experts is large, so the table stays near 4 ints per token.
-int64_t chunk_tokens(int64_t k, int64_t experts) {
-  return 64 * std::max<int64_t>(1, (k * experts + 255) / 256);
-}
-
 // The batch-prioritized claiming order [tokens] int32: descending priority,
 // NaN first, equal priorities in token order (a stable sort of order-mapped
 // integer keys, so the order does not depend on how the sort treats floats).
@@ -36,40 +29,37 @@ at::Tensor priority_order(const CudaOpScope& scope, const at::Tensor& priority) 
   const auto key_dtype = priority.scalar_type() == at::kDouble ? at::kLong : at::kInt;
   at::Tensor keys = at::empty({tokens}, priority.options().dtype(key_dtype));
   cuda::launch_kernel(kPrioritySortKeys.get(scope.device(), data_variant(priority.scalar_type())),
-                      {cuda::blocks_for(tokens, TUTEL_BLOCK_THREADS)}, scope.stream(),
-                      "priority_sort_keys", input_ptr(priority), tokens, output_ptr(keys));
+                      cuda::plan_priority_keys(tokens), scope.stream(), "priority_sort_keys",
+                      input_ptr(priority), tokens, output_ptr(keys));
   const at::Tensor order = std::get<1>(at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   return order.to(at::kInt);
 }
 
-// Steps 2 and 3 of slot assignment once chunk_counts is filled.
+// Steps 2 and 3 of slot assignment once the plan's table is filled.
 void assign_from_counts(const CudaOpScope& scope, const at::Tensor& indices, const at::Tensor& order,
-                        int64_t experts, int64_t chunk, at::Tensor& chunk_counts,
+                        int64_t experts, const cuda::SlotAssignmentPlan& plan, at::Tensor& table,
                         at::Tensor& locations, at::Tensor& counts) {
   const int64_t k = indices.size(0), tokens = indices.size(1);
-  const int64_t chunks = cuda::blocks_for(tokens, chunk);
-  cuda::launch_kernel(kScanChoiceCounts.get(scope.device()),
-                      {cuda::blocks_for(experts * 32, TUTEL_BLOCK_THREADS)}, scope.stream(),
-                      "scan_choice_counts", output_ptr(chunk_counts), chunks, k, experts,
+  cuda::launch_kernel(kScanChoiceCounts.get(scope.device()), plan.scan_grid, scope.stream(),
+                      "scan_choice_counts", output_ptr(table), plan.chunks, k, experts,
                       output_ptr(counts));
-  cuda::launch_kernel(kAssignSlots.get(scope.device()),
-                      {cuda::blocks_for(chunks, TUTEL_BLOCK_THREADS / 32)}, scope.stream(),
+  cuda::launch_kernel(kAssignSlots.get(scope.device()), plan.assign_grid, scope.stream(),
                       "assign_slots", input_ptr(indices), input_ptr(order), tokens, k, experts,
-                      chunk, chunks, output_ptr(chunk_counts), output_ptr(locations));
+                      plan.chunk_tokens, plan.chunks, output_ptr(table), output_ptr(locations));
 }
 
 // Step 1 for given indices, in token order or in `order`.
 void count_choices(const CudaOpScope& scope, const at::Tensor& indices, const at::Tensor& order,
-                   int64_t experts, int64_t chunk, at::Tensor& chunk_counts, TutelErrorSink errors) {
+                   int64_t experts, const cuda::SlotAssignmentPlan& plan, at::Tensor& table,
+                   TutelErrorSink errors) {
   const int64_t k = indices.size(0), tokens = indices.size(1);
-  cuda::launch_kernel(kCountChoices.get(scope.device()), {cuda::blocks_for(tokens, chunk)},
-                      scope.stream(), "count_choices", input_ptr(indices), input_ptr(order), tokens,
-                      k, experts, chunk, output_ptr(chunk_counts), errors);
+  cuda::launch_kernel(kCountChoices.get(scope.device()), plan.chunk_grid, scope.stream(),
+                      "count_choices", input_ptr(indices), input_ptr(order), tokens, k, experts,
+                      plan.chunk_tokens, output_ptr(table), errors);
 }
 
-at::Tensor chunk_table(const at::Tensor& like, int64_t tokens, int64_t k, int64_t experts,
-                       int64_t chunk) {
-  return at::empty({cuda::blocks_for(tokens, chunk) * k * experts}, like.options().dtype(at::kInt));
+at::Tensor chunk_table(const at::Tensor& like, const cuda::SlotAssignmentPlan& plan) {
+  return at::empty({plan.table_ints}, like.options().dtype(at::kInt));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_topk_cuda(
@@ -82,20 +72,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_topk_cuda(
   at::Tensor gates = at::empty({k, a.tokens}, a.scores.options());
   at::Tensor locations = at::empty({k, a.tokens}, int_options);
   at::Tensor counts = at::empty({k, a.experts}, int_options);
-  const int64_t chunk = chunk_tokens(k, a.experts);
-  at::Tensor table = chunk_table(a.scores, a.tokens, k, a.experts, chunk);
+  const cuda::SlotAssignmentPlan plan = cuda::plan_slot_assignment(a.tokens, k, a.experts);
+  at::Tensor table = chunk_table(a.scores, plan);
   at::Tensor order;  // token order unless batch-prioritized
   // Routing made here is trusted: its indices need no reporting.
   cuda::launch_kernel(kRouteTopk.get(scope.device(), data_variant(a.scores.scalar_type())),
-                      {cuda::blocks_for(a.tokens, chunk)}, scope.stream(), "route_topk",
-                      input_ptr(a.scores), a.tokens, a.experts, k, chunk, output_ptr(indices),
+                      plan.chunk_grid, scope.stream(), "route_topk", input_ptr(a.scores),
+                      a.tokens, a.experts, k, plan.chunk_tokens, output_ptr(indices),
                       output_ptr(gates), batch_prioritized ? nullptr : output_ptr(table));
   if (batch_prioritized && a.tokens > 0) {
     // The top-1 score is each token's priority.
     order = priority_order(scope, gates[0]);
-    count_choices(scope, indices, order, a.experts, chunk, table, CudaOpScope::no_reports());
+    count_choices(scope, indices, order, a.experts, plan, table, CudaOpScope::no_reports());
   }
-  assign_from_counts(scope, indices, order, a.experts, chunk, table, locations, counts);
+  assign_from_counts(scope, indices, order, a.experts, plan, table, locations, counts);
   return {indices, gates, locations, counts};
 }
 
@@ -108,12 +98,12 @@ std::tuple<at::Tensor, at::Tensor> assign_locations_cuda(const at::Tensor& indic
   CudaOpScope scope(a.indices);
   at::Tensor locations = at::empty({k, tokens}, a.indices.options());
   at::Tensor counts = at::empty({k, experts}, a.indices.options());
-  const int64_t chunk = chunk_tokens(k, experts);
-  at::Tensor table = chunk_table(a.indices, tokens, k, experts, chunk);
+  const cuda::SlotAssignmentPlan plan = cuda::plan_slot_assignment(tokens, k, experts);
+  at::Tensor table = chunk_table(a.indices, plan);
   at::Tensor order;
   if (a.priority.defined() && tokens > 0) order = priority_order(scope, a.priority);
-  count_choices(scope, a.indices, order, experts, chunk, table, scope.error_sink());
-  assign_from_counts(scope, a.indices, order, experts, chunk, table, locations, counts);
+  count_choices(scope, a.indices, order, experts, plan, table, scope.error_sink());
+  assign_from_counts(scope, a.indices, order, experts, plan, table, locations, counts);
   return {locations, counts};
 }
 

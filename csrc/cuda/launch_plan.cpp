@@ -1,0 +1,97 @@
+#include "launch_plan.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace tutel {
+namespace cuda {
+namespace {
+
+const char* const kVariantDefines[] = {
+    "",
+    "TUTEL_DTYPE_FLOAT32", "TUTEL_DTYPE_FLOAT64", "TUTEL_DTYPE_FLOAT16", "TUTEL_DTYPE_BFLOAT16",
+    "TUTEL_MASK_BOOL", "TUTEL_MASK_UINT8", "TUTEL_MASK_INT8", "TUTEL_MASK_INT16",
+    "TUTEL_MASK_INT32", "TUTEL_MASK_INT64", "TUTEL_MASK_FLOAT32", "TUTEL_MASK_FLOAT64"};
+static_assert(sizeof(kVariantDefines) / sizeof(kVariantDefines[0]) == static_cast<int>(Variant::kCount),
+              "one define per variant");
+
+// cumsum: rows per chunk, 128, or more so that the chunks fit the grid's y extent.
+constexpr int64_t kChunkRows = 128;
+constexpr int64_t kMaxGridY = 65535;
+
+// Vectors each lane of a row group handles per strip (TUTEL_UNROLL in dispatch.cu).
+constexpr int64_t kUnroll = 4;
+
+constexpr int64_t kWarpsPerBlock = TUTEL_BLOCK_THREADS / 32;
+
+}  // namespace
+
+bool grid_fits(Grid grid) {
+  return grid.x <= std::numeric_limits<int32_t>::max() && grid.y <= kMaxGridY;
+}
+
+const char* variant_define(Variant variant) { return kVariantDefines[static_cast<int>(variant)]; }
+
+CumsumPlan plan_cumsum(int64_t rows, int64_t cols) {
+  CumsumPlan plan;
+  plan.chunk_rows = std::max(kChunkRows, blocks_for(rows, kMaxGridY));
+  plan.chunks = blocks_for(rows, plan.chunk_rows);
+  plan.chunk_grid = Grid{blocks_for(cols, TUTEL_BLOCK_THREADS), plan.chunks};
+  plan.offsets_grid = Grid{blocks_for(cols * 32, TUTEL_BLOCK_THREADS), 1};
+  return plan;
+}
+
+SlotAssignmentPlan plan_slot_assignment(int64_t tokens, int64_t k, int64_t experts) {
+  SlotAssignmentPlan plan;
+  // 64 tokens per chunk, or more when k * experts is large, so the table stays
+  // near 4 ints per token.
+  plan.chunk_tokens = 64 * std::max<int64_t>(1, (k * experts + 255) / 256);
+  plan.chunks = blocks_for(tokens, plan.chunk_tokens);
+  plan.table_ints = plan.chunks * k * experts;
+  plan.chunk_grid = Grid{plan.chunks, 1};
+  plan.scan_grid = Grid{blocks_for(experts * 32, TUTEL_BLOCK_THREADS), 1};
+  plan.assign_grid = Grid{blocks_for(plan.chunks, kWarpsPerBlock), 1};
+  return plan;
+}
+
+Grid plan_priority_keys(int64_t tokens) { return Grid{blocks_for(tokens, TUTEL_BLOCK_THREADS), 1}; }
+
+RowLayout plan_row_layout(int64_t model_dim, int64_t element_size,
+                          std::initializer_list<const void*> row_pointers) {
+  const int64_t width = 16 / element_size;
+  bool vector = model_dim % width == 0;
+  for (const void* pointer : row_pointers)
+    if (reinterpret_cast<uintptr_t>(pointer) % 16 != 0) vector = false;
+  const int64_t vectors = vector ? model_dim / width : model_dim;
+  const int64_t lanes_needed = (vectors + kUnroll - 1) / kUnroll;
+  RowLayout layout;
+  layout.vector = vector;
+  while (layout.group_log2 < 5 && (int64_t(1) << layout.group_log2) < lanes_needed) ++layout.group_log2;
+  return layout;
+}
+
+GatherPlan plan_gather(int64_t tokens, int64_t model_dim, int64_t element_size,
+                       std::initializer_list<const void*> row_pointers) {
+  GatherPlan plan;
+  plan.layout = plan_row_layout(model_dim, element_size, row_pointers);
+  plan.grid = Grid{blocks_for(tokens, plan.layout.rows_per_block()), 1};
+  return plan;
+}
+
+ScatterPlan plan_scatter(int64_t tokens, int64_t k, int64_t experts, int64_t capacity,
+                         int64_t model_dim, int64_t element_size, int multiprocessors,
+                         std::initializer_list<const void*> row_pointers) {
+  ScatterPlan plan;
+  const int64_t slots = experts * capacity;
+  plan.layout = plan_row_layout(model_dim, element_size, row_pointers);
+  plan.slot_table_ints = 2 * slots + 1;
+  plan.claim_grid = Grid{blocks_for(k * tokens, TUTEL_BLOCK_THREADS), 1};
+  plan.row_grid = Grid{blocks_for(slots, plan.layout.rows_per_block()), 1};
+  // Blocks that also sum slots claimed more than once, if there are any.
+  plan.shared_blocks = std::max<int64_t>(1, std::min<int64_t>(plan.row_grid.x, multiprocessors));
+  return plan;
+}
+
+}  // namespace cuda
+}  // namespace tutel

@@ -1,0 +1,193 @@
+"""Which implementation of tutel's operators runs on each device.
+
+CPU tensors always use the compiled CPU operators, and tensors on devices tutel
+has no compiled operators for (mps, xpu, ...) the composite ones.  On a CUDA
+device the choice is made once, at the first tutel operator on that device:
+
+* ``TUTEL_CUDA_BACKEND=composite``: the composite PyTorch operators
+  (tutel.ops.composite) for everything;
+* ``TUTEL_CUDA_BACKEND=nvrtc``: the NVRTC-compiled kernels, unchecked, errors
+  raised as they come;
+* ``TUTEL_CUDA_BACKEND=auto`` (the default): the kernels if tutel was built with
+  CUDA and NVRTC loads, after a self-check that runs them once on small random
+  problems and compares them with the composite operators.  An operator whose
+  kernel fails or disagrees uses the composite operator on that device from
+  then on, with one warning per device naming the kernels and the device.
+  ``TUTEL_CUDA_SELF_CHECK=0`` skips the check (the kernels are used as they are).
+
+The self-check is skipped while torch.compile traces and during a CUDA graph
+capture (the kernels are used unchecked then, unless TUTEL_CUDA_BACKEND says
+composite, and the choice is made at the next eager call).
+"""
+import contextlib
+import os
+import threading
+import warnings
+from types import SimpleNamespace
+from typing import Callable, Dict, Iterator, NamedTuple, Optional
+
+import torch
+
+from . import composite
+from ._tracing import is_compiling
+from .self_check import OPERATORS, compare_operators
+
+BACKEND_VARIABLE = "TUTEL_CUDA_BACKEND"
+SELF_CHECK_VARIABLE = "TUTEL_CUDA_SELF_CHECK"
+BACKENDS = ("auto", "nvrtc", "composite")
+KERNELS, COMPOSITE = "nvrtc", "composite"
+
+
+def requested_backend() -> str:
+    """The value of TUTEL_CUDA_BACKEND (default "auto"); ValueError for another value."""
+    value = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_VARIABLE}={value!r} is not allowed; use one of {', '.join(BACKENDS)}")
+    return value
+
+
+def self_check_enabled() -> bool:
+    """False when TUTEL_CUDA_SELF_CHECK is 0, off, false or no."""
+    return os.environ.get(SELF_CHECK_VARIABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class Choice(NamedTuple):
+    """The implementation of one operator on one device, and why."""
+
+    implementation: str  # KERNELS or COMPOSITE
+    reason: str
+
+
+def cuda_kernels_unavailable() -> Optional[str]:
+    """Why tutel's CUDA kernels cannot run in this process, or None if they can be tried."""
+    from .. import cuda as tutel_cuda  # tutel.cuda imports this package lazily too
+
+    if not tutel_cuda.is_built():
+        return "tutel was built without CUDA support"
+    try:
+        tutel_cuda.nvrtc_info()
+    except RuntimeError as error:
+        return "NVRTC cannot be loaded: " + str(error).splitlines()[0]
+    return None
+
+
+def _self_check_impossible(device: torch.device) -> bool:
+    """True while tracing or capturing, when the check cannot run kernels and compare results."""
+    if is_compiling():
+        return True
+    # (A CPU-only PyTorch has no capture state to ask about.)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class DeviceBackends:
+    """The per-device choice between `kernels` and `composite` (objects with the
+    operators as attributes, like ``torch.ops.tutel``), made once per device.
+
+    Args:
+        kernels: the compiled operators.
+        composite: the composite operators (the trusted fallback).
+        kernels_unavailable: returns why the kernels cannot be used at all, or None.
+        check: compares ``kernels`` with ``composite`` on a device; returns per operator
+            None or the disagreement (see tutel.ops.self_check.compare_operators).
+    """
+
+    def __init__(self, kernels, composite_ops=composite,
+                 kernels_unavailable: Callable[[], Optional[str]] = cuda_kernels_unavailable,
+                 check: Callable[..., Dict[str, Optional[str]]] = compare_operators):
+        self._kernels = kernels
+        self._composite = composite_ops
+        self._kernels_unavailable = kernels_unavailable
+        self._check = check
+        self._lock = threading.Lock()
+        self._operators: Dict[str, SimpleNamespace] = {}
+        self._choices: Dict[str, Dict[str, Choice]] = {}
+
+    def operators(self, device: torch.device):
+        """The operators to use for tensors on `device` (choosing them on first use)."""
+        key = str(device)
+        chosen = self._operators.get(key)
+        if chosen is not None:
+            return chosen
+        if _self_check_impossible(device):
+            # No check now, and no choice kept: the next eager call chooses.
+            return self._composite if requested_backend() == COMPOSITE else self._kernels
+        with self._lock:
+            if key not in self._operators:
+                choices = self._choose(device)
+                self._choices[key] = choices
+                self._operators[key] = SimpleNamespace(**{
+                    name: getattr(self._kernels if choice.implementation == KERNELS else self._composite, name)
+                    for name, choice in choices.items()})
+            return self._operators[key]
+
+    def choices(self) -> Dict[str, Dict[str, Choice]]:
+        """The choices made so far: {device: {operator: Choice}}."""
+        return {device: dict(choices) for device, choices in self._choices.items()}
+
+    def forget(self) -> None:
+        """Drops every choice, so the next use of each device chooses (and checks) again."""
+        with self._lock:
+            self._operators.clear()
+            self._choices.clear()
+
+    def _choose(self, device: torch.device) -> Dict[str, Choice]:
+        backend = requested_backend()
+        if backend != "auto":
+            return {name: Choice(backend, f"{BACKEND_VARIABLE}={backend}") for name in OPERATORS}
+        unavailable = self._kernels_unavailable()
+        if unavailable is not None:
+            warnings.warn(f"tutel: the CUDA kernels cannot be used on {device} ({unavailable}); tutel uses its "
+                          f"composite PyTorch operators there instead (slower; set {BACKEND_VARIABLE}=composite "
+                          "to choose them without this warning).", RuntimeWarning, stacklevel=4)
+            return {name: Choice(COMPOSITE, unavailable) for name in OPERATORS}
+        if not self_check_enabled():
+            return {name: Choice(KERNELS, f"self-check off ({SELF_CHECK_VARIABLE}=0)") for name in OPERATORS}
+        with torch.no_grad():
+            failures = self._check(self._kernels, self._composite, device)
+        choices = {name: Choice(COMPOSITE, f"self-check failed: {failures[name]}") if failures.get(name)
+                   else Choice(KERNELS, "self-check passed") for name in OPERATORS}
+        failed = [name for name in OPERATORS if failures.get(name)]
+        if failed:
+            details = "; ".join(f"{name}: {failures[name]}" for name in failed)
+            warnings.warn(f"tutel: the CUDA kernel{'s' if len(failed) > 1 else ''} of {', '.join(failed)} "
+                          f"disagreed with the composite PyTorch operators on {device} in the self-check "
+                          f"({details}). tutel uses the composite operators for "
+                          f"{'them' if len(failed) > 1 else 'it'} on {device} from now on. Please report this "
+                          "with the output of `python -m tutel.check`.", RuntimeWarning, stacklevel=4)
+        return choices
+
+
+CUDA_BACKENDS = DeviceBackends(torch.ops.tutel)
+_forced = None  # an operator set used on every device (see use_operators)
+# Devices with compiled operators besides CUDA ("meta": the shape functions torch.compile traces).
+_COMPILED_DEVICE_TYPES = ("cpu", "meta")
+
+
+def operators_for(device: torch.device):
+    """The implementation of tutel's operators for tensors on `device`: an object with
+    ``route_topk``, ``assign_locations``, ``cumsum_sub_one``, ``gather_slots`` and
+    ``scatter_slots`` taking the arguments of ``torch.ops.tutel``'s operators."""
+    if _forced is not None:
+        return _forced
+    if device.type == "cuda":
+        return CUDA_BACKENDS.operators(device)
+    if device.type in _COMPILED_DEVICE_TYPES:
+        return torch.ops.tutel
+    return composite  # a device tutel has no compiled operators for (mps, xpu, ...)
+
+
+@contextlib.contextmanager
+def use_operators(implementation: str) -> Iterator[None]:
+    """Within the block, every device uses `implementation`: "composite" (the PyTorch
+    operators, e.g. to compare them with the compiled ones on the CPU) or "native"
+    (the compiled operators, unchecked).  Not thread-local: meant for tests and checks."""
+    global _forced
+    if implementation not in ("composite", "native"):
+        raise ValueError(f"tutel.ops.backend.use_operators: implementation must be 'composite' or 'native', "
+                         f"got {implementation!r}")
+    previous = _forced
+    _forced = composite if implementation == "composite" else torch.ops.tutel
+    try:
+        yield
+    finally:
+        _forced = previous

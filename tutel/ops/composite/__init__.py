@@ -1,0 +1,21 @@
+"""tutel's operators written as plain PyTorch operations (the "composite" path).
+
+Each function here has the signature and the results of the operator of the
+same name in ``torch.ops.tutel`` (see csrc/ops/schemas.cpp and csrc/core):
+GShard slot order, the top-k tie and NaN rules, dropped choices, slots shared by
+several choices summed in (choice, token) order, float32 accumulation for 16-bit
+data.  They run on any device PyTorch supports, so they stand in for the CUDA
+kernels where those cannot be compiled or loaded, or disagree with them (see
+``tutel.ops.backend``).  Moves, counts and slots are bit for bit those of the
+compiled operators; dot products and floating-point cumsums are reductions that
+may be summed in another order.
+
+Unlike the CUDA kernels, these check caller-made indices and locations at once,
+which synchronises with the host; so do the data-dependent sizes of
+``scatter_slots``.  They therefore cannot be captured in a CUDA graph.
+"""
+from .cumsum import cumsum_sub_one
+from .routing import assign_locations, route_topk
+from .slots import gather_slots, scatter_slots
+
+__all__ = ["assign_locations", "cumsum_sub_one", "gather_slots", "route_topk", "scatter_slots"]

@@ -1,0 +1,183 @@
+"""Runs two implementations of tutel's operators on the same small random problems and compares them.
+
+Used at the first use of each CUDA device (the compiled kernels against the
+composite PyTorch operators, see tutel.ops.backend) and by ``python -m
+tutel.check``.  The implementations are parameters (objects with the operators
+as attributes, like ``torch.ops.tutel``), so the comparison itself is tested on
+the CPU.  Moves, counts and slots must agree exactly; the dot products of the
+gate gradient, which are reductions summed in another order, to the
+accumulation dtype's rounding.
+"""
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots")
+DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# Outputs compared to rounding rather than exactly: (operator, output number).
+_REDUCTIONS = {("gather_slots", 1), ("scatter_slots", 1)}
+_DOT_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+
+
+class Case(NamedTuple):
+    """One call: the operator's name, a label for messages, and its arguments (CPU tensors)."""
+
+    operator: str
+    label: str
+    args: Tuple
+
+
+class Sizes(NamedTuple):
+    tokens: int
+    experts: int
+    k: int
+    capacity: int
+    model_dim: int
+
+
+# Small, yet several blocks and chunks for the kernels: 520 tokens are 3 blocks of gather rows,
+# 9 chunks of slot assignment and of cumsum rows.  model_dim 24 and 16 take the 16-byte vector
+# paths, 7 the element-wise ones.
+QUICK_SIZES = (Sizes(45, 5, 2, 7, 24), Sizes(67, 9, 3, 11, 7), Sizes(520, 12, 2, 100, 16))
+FULL_SIZES = QUICK_SIZES + (Sizes(0, 3, 1, 4, 8), Sizes(1, 1, 1, 1, 1), Sizes(37, 5, 2, 0, 8),
+                            Sizes(1000, 64, 4, 70, 64), Sizes(257, 600, 3, 2, 33), Sizes(64, 4, 4, 80, 2048),
+                            Sizes(3000, 16, 8, 1600, 5))
+
+
+def _tied_scores(tokens: int, experts: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Scores with many exact ties, -0 and NaN: the cases where top-k rules matter."""
+    scores = torch.randint(0, 6, (tokens, experts), generator=generator).to(torch.float64) / 4 - 0.5
+    scores[torch.rand(tokens, experts, generator=generator) < 0.1] = -0.0
+    scores[torch.rand(tokens, experts, generator=generator) < 0.03] = float("nan")
+    return scores.to(dtype)
+
+
+def _distinct_slots(s: Sizes, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(indices, locations) [k, T] naming every slot at most once: first choices take
+    distinct random slots (or are dropped when the slots run out), later choices are dropped."""
+    slots = s.experts * s.capacity
+    pick = torch.randperm(max(slots, s.tokens), generator=generator)[: s.tokens]
+    indices = torch.randint(0, s.experts, (s.k, s.tokens), generator=generator, dtype=torch.int32)
+    locations = torch.full((s.k, s.tokens), s.capacity, dtype=torch.int32)
+    kept = pick < slots
+    if s.capacity > 0:
+        indices[0] = torch.where(kept, pick // s.capacity, indices[0].long()).to(torch.int32)
+        locations[0] = torch.where(kept, pick % s.capacity, torch.full_like(pick, s.capacity)).to(torch.int32)
+    return indices, locations
+
+
+def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    for s in sizes:
+        tag = f"tokens={s.tokens} experts={s.experts} k={s.k}"
+        for dtype in DATA_DTYPES:
+            name = str(dtype).replace("torch.", "")
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            for prioritized in (False, True):
+                yield Case("route_topk", f"{name} tied scores {tag} batch_prioritized={prioritized}",
+                           (_tied_scores(s.tokens, s.experts, dtype, g), s.k, prioritized))
+            softmax = torch.randn(s.tokens, s.experts, generator=g).softmax(1).to(dtype)
+            yield Case("route_topk", f"{name} softmax scores {tag}", (softmax, s.k, True))
+            indices = torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32)
+            yield Case("assign_locations", f"{name} priority {tag}",
+                       (indices, s.experts, _tied_scores(1, s.tokens, dtype, g)[0]))
+            # Locations up to capacity + 1: some choices dropped, some slots named twice.
+            locations = torch.randint(0, s.capacity + 2, (s.k, s.tokens), generator=g, dtype=torch.int32)
+            weights = (torch.rand(s.k, s.tokens, generator=g) + 0.1).to(acc)
+            weights[0, ::3] = 1
+            slot_tag = f"{name} {tag} capacity={s.capacity} model_dim={s.model_dim}"
+            rows = randn(s.experts, s.capacity, s.model_dim, dtype=dtype)
+            src = randn(s.tokens, s.model_dim, dtype=dtype)
+            distinct = _distinct_slots(s, g)
+            for w in (None, weights):
+                weighted = "weighted" if w is not None else "unweighted"
+                yield Case("gather_slots", f"{slot_tag} {weighted}",
+                           (rows, indices, locations, w, randn(s.tokens, s.model_dim, dtype=dtype)))
+                yield Case("scatter_slots", f"{slot_tag} {weighted} shared slots",
+                           (src, indices, locations, w, randn(s.experts, s.capacity, s.model_dim, dtype=dtype),
+                            s.experts, s.capacity))
+                yield Case("scatter_slots", f"{slot_tag} {weighted} distinct slots",
+                           (src, *distinct, w, None, s.experts, s.capacity))
+        yield Case("assign_locations", f"{tag} token order",
+                   (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
+        for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
+            low = 0 if mask_dtype == torch.bool else -3
+            mask = torch.randint(low, 2, (s.tokens * s.k, s.experts), generator=g).to(mask_dtype)
+            yield Case("cumsum_sub_one", f"{str(mask_dtype).replace('torch.', '')} mask {tuple(mask.shape)}",
+                       (mask,))
+
+
+def _to(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tensor) -> Optional[str]:
+    """None when `got` agrees with `expected` (both on the CPU), else what differs."""
+    if expected.dtype != got.dtype or expected.shape != got.shape:
+        return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
+    if (operator, number) in _REDUCTIONS:
+        close = torch.isclose(got, expected, equal_nan=True, **_DOT_TOLERANCES[expected.dtype])
+        if bool(close.all()):
+            return None
+        return f"output {number}: {int((~close).sum())} of {close.numel()} dot products differ beyond rounding"
+    if expected.is_floating_point():
+        nan = expected.isnan()
+        if not torch.equal(nan, got.isnan()):
+            return f"output {number}: NaN in other places"
+        expected, got = expected.masked_fill(nan, 0), got.masked_fill(nan, 0)
+    if torch.equal(expected, got):
+        return None
+    differ = expected != got
+    first = tuple(int(i) for i in differ.nonzero()[0])
+    return (f"output {number}: {int(differ.sum())} of {differ.numel()} values differ, first at {first}: "
+            f"{got[first].item()} instead of {expected[first].item()}")
+
+
+def compare_operators(fast, reference, device: torch.device, sizes: Sequence[Sizes] = QUICK_SIZES,
+                      seed: int = 0, reference_device: Optional[torch.device] = None,
+                      operators: Sequence[str] = OPERATORS) -> Dict[str, Optional[str]]:
+    """Runs every case with `fast` on `device` and `reference` on `reference_device`
+    (default: the same device).
+
+    Returns, for each operator, None when all its cases agree, else a description
+    of the first disagreement (or of the exception `fast` raised).  Exceptions of
+    `reference` propagate: it is the implementation trusted to work.
+    """
+    reference_device = device if reference_device is None else reference_device
+    failures: Dict[str, Optional[str]] = {name: None for name in operators}
+    for case in _cases(sizes, seed):
+        if case.operator not in failures or failures[case.operator] is not None:
+            continue
+        expected = getattr(reference, case.operator)(*[_to(a, reference_device) for a in case.args])
+        try:
+            got = getattr(fast, case.operator)(*[_to(a, device) for a in case.args])
+        except Exception as error:  # noqa: BLE001  (any failure of the fast path means: do not use it)
+            failures[case.operator] = f"{case.label}: raised {type(error).__name__}: {str(error).splitlines()[0]}"
+            continue
+        expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+        got = got if isinstance(got, (tuple, list)) else (got,)
+        if len(expected) != len(got):
+            failures[case.operator] = f"{case.label}: {len(got)} outputs instead of {len(expected)}"
+            continue
+        for number, (e, r) in enumerate(zip(expected, got)):
+            problem = _compare(case.operator, number, e.cpu(), r.cpu())
+            if problem:
+                failures[case.operator] = f"{case.label}: {problem}"
+                break
+    return failures
+
+
+def count_cases(sizes: Sequence[Sizes] = QUICK_SIZES, seed: int = 0) -> Dict[str, int]:
+    """How many calls compare_operators makes per operator (for reports)."""
+    counts: Dict[str, int] = {name: 0 for name in OPERATORS}
+    for case in _cases(sizes, seed):
+        counts[case.operator] += 1
+    return counts
+
+
+__all__: List[str] = ["OPERATORS", "QUICK_SIZES", "FULL_SIZES", "Sizes", "compare_operators", "count_cases"]
