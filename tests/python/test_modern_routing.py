@@ -36,7 +36,7 @@ def shared_reference(shared):
 
 
 def compare(layer, x, route, *, k, capacity_factor, loss, z_loss_weight=0.0, forward_kwargs=None, tol=1e-10,
-            expert_reference=None, sequence_length=None, gate_index=0):
+            expert_reference=None, sequence_length=None, gate_index=0, alignment=1):
     """Forward + backward of `layer` and of the reference on x; asserts outputs, l_aux and every
     gradient (input, gate, experts, shared experts) agree.  Returns the reference's ids."""
     forward_kwargs = dict(forward_kwargs or {}, gate_index=gate_index)
@@ -56,7 +56,7 @@ def compare(layer, x, route, *, k, capacity_factor, loss, z_loss_weight=0.0, for
     out64, l_aux64, ids, kept = ref.scored_moe(
         x64, logits_fn(x64), expert_fn, k, capacity_factor, route, is_postscore=layer.is_postscore,
         batch_prioritized=layer.batch_prioritized_routing, loss=loss, z_loss_weight=z_loss_weight,
-        sequence_length=sequence_length)
+        sequence_length=sequence_length, alignment=alignment)
     if layer.shared_experts is not None:
         out64 = out64 + torch.stack([shared_fn(h) for h in x64])
     out64 = out64.reshape(y.shape)
