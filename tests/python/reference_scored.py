@@ -119,9 +119,12 @@ def shared_swiglu(h, gate_w, up_w, down_w, sigmoid_w=None):
 
 
 def scored_moe(x, logits, expert_fn, k, capacity_factor, route, *, is_postscore=True, batch_prioritized=False,
-               alignment=1, loss="gshard", sequence_length=None, z_loss_weight=0.0, all_ids=None):
+               alignment=1, loss="gshard", sequence_length=None, z_loss_weight=0.0, all_ids=None,
+               agree_capacity=None):
     """The layer on x [T, M]: routing `route` (route_token's keyword arguments), Tutel's capacity
     and GShard slot order, experts token by token, the chosen balance loss plus z_loss_weight * z.
+    Distributed checks pass `all_ids(ids) -> every process's ids` for the global-batch loss and
+    `agree_capacity(capacity) -> capacity` for the processes' agreement.
 
     Returns (output [T, O], l_aux, ids [T][k], kept [T][k])."""
     tokens, experts = logits.shape
@@ -131,6 +134,8 @@ def scored_moe(x, logits, expert_fn, k, capacity_factor, route, *, is_postscore=
     priority = torch.tensor([r[2] for r in routed], dtype=torch.float64) if batch_prioritized else None
     locations, counts = reference.gshard_locations(ids_tensor, experts, priority)
     capacity = reference.capacity(capacity_factor, k, tokens, experts, counts.sum(0).tolist(), alignment)
+    if agree_capacity is not None:
+        capacity = agree_capacity(capacity)
     kept = (locations < capacity).tolist()
     rows = []
     for t in range(tokens):
@@ -154,7 +159,7 @@ def scored_moe(x, logits, expert_fn, k, capacity_factor, route, *, is_postscore=
     elif loss == "sequence":
         l_aux = sequence_loss(affinity, ids, k, sequence_length or tokens)
     elif loss == "global_batch":
-        l_aux = global_batch_loss(affinity, ids, all_ids)
+        l_aux = global_batch_loss(affinity, ids, all_ids(ids) if all_ids is not None else None)
     else:
         l_aux = logits.sum() * 0
     if z_loss_weight:
