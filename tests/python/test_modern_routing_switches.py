@@ -141,9 +141,10 @@ def test_autocast_matches_float32_within_bfloat16_tolerance():
     torch.testing.assert_close(y.l_aux.float(), expected.l_aux, rtol=1e-5, atol=1e-5)
 
 
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("balance_loss", ["sequence", "global_batch"])
+def test_torch_compile_fullgraph_matches_eager(balance_loss):
     torch.manual_seed(3)
-    gate = dict(DEEPSEEK, k=3, capacity_factor=1.25, z_loss_weight=0.01)
+    gate = dict(DEEPSEEK, k=3, capacity_factor=1.25, z_loss_weight=0.01, balance_loss=balance_loss)
     experts = {"type": "clamped_swiglu", "num_experts_per_device": 8, "hidden_size_per_expert": 6,
                "shared_experts": {"hidden_size": 4, "gated": True}}
     layer = moe.moe_layer(gate_type=gate, model_dim=MODEL_DIM, experts=experts)
@@ -157,7 +158,7 @@ def test_torch_compile_matches_eager():
     layer.zero_grad()
     x_grad, x.grad = x.grad.clone(), None
 
-    compiled = torch.compile(layer, backend="aot_eager")
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     y = compiled(x)
     (y.sum() + y.l_aux).backward()
     torch.testing.assert_close(y, expected)

@@ -12,10 +12,10 @@ from typing import Any, Dict, List
 import torch
 
 from ..gates.balancing import SelectionBias
-from ..gates.scoring import check_top_k, pop_routing_options
+from ..gates.scoring import OPTION_NAMES, check_top_k, pop_routing_options
 
 
-GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t")
+GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "router_bias") + OPTION_NAMES
 _NAME = re.compile(r"^[a-zA-Z0-9_]+$")
 
 

@@ -6,6 +6,7 @@
   weights (expert gradients summed over the ranks).
 * Aux-loss-free balancing: after several steps on different tokens per rank, the bias is identical
   on every rank and equals the single-process update computed from all ranks' tokens.
+* Processes that built the layer with different routing options or shared experts are named.
 """
 import os
 import sys
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/python: the float64 reference
 
 import reference_moe  # noqa: E402
 import reference_scored as ref  # noqa: E402
-from dist_checks import CheckList, close, rank, world  # noqa: E402
+from dist_checks import CheckList, close, expect_error, rank, world  # noqa: E402
 from dist_checks_layer import MODEL_DIM, HIDDEN, global_ffn, local_slice  # noqa: E402
 from dist_harness import init_gloo  # noqa: E402
 from tutel import moe, net  # noqa: E402
@@ -113,6 +114,16 @@ def selection_bias_identical_on_every_rank_and_equal_to_one_process():
         close(bias, torch.tensor(expected, dtype=bias.dtype), "bias after the update", 1e-12)
         everyone = net.simple_all_gather(bias.unsqueeze(0))
         assert all(torch.equal(row, everyone[0]) for row in everyone), f"biases differ: {everyone}"
+
+
+@checks.add
+def processes_with_different_routing_options_are_named():
+    score_function = "sigmoid" if rank() == 0 else "sqrt_softplus"
+    expect_error(ValueError, ["gates[0] scored-routing options"], make_layer, 2, 3, score_function=score_function)
+    gated = rank() == 0
+    expect_error(ValueError, ["shared expert parameter count"], moe.moe_layer, gate_type={"type": "top", "k": 1},
+                 model_dim=MODEL_DIM, experts={"type": "ffn", "num_experts_per_device": 1, "hidden_size_per_expert": 4,
+                                               "shared_experts": {"hidden_size": 4, "gated": gated}})
 
 
 def run_all():
