@@ -217,3 +217,50 @@ def test_load_importance_loss_needs_softmax_scores():
                  is_gshard_loss=False)
     with pytest.raises(ValueError, match="is_gshard_loss=False.*score_function='sigmoid'"):
         layer(torch.randn(5, MODEL_DIM, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("balance_loss", ["sequence", "global_batch", "gshard", "none"])
+def test_empty_and_one_token_batches(balance_loss):
+    for capacity_factor in (1.0, 0.0, -1.0):
+        layer = make(dict(DEEPSEEK, k=3, balance_loss=balance_loss, capacity_factor=capacity_factor, z_loss_weight=0.1),
+                     {"type": "clamped_swiglu", "hidden_size_per_expert": HIDDEN,
+                      "shared_experts": {"hidden_size": 4, "gated": True}}, num_experts=8)
+        for shape in [(0, MODEL_DIM), (2, 0, MODEL_DIM)]:
+            x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+            y = layer(x)
+            (y.sum() + y.l_aux).backward()
+            assert y.shape == x.shape and float(y.l_aux.detach()) == 0.0
+        bias = randomize_bias(layer)
+        compare(layer, torch.randn(1, 1, MODEL_DIM, dtype=torch.float64), dict(DEEPSEEK_ROUTE, bias=bias, renormalize=True),
+                k=3, capacity_factor=capacity_factor, loss=balance_loss, z_loss_weight=0.1, sequence_length=1,
+                expert_reference=clamped_reference)
+
+
+def test_load_importance_loss_with_scored_routing():
+    from test_gates_experts import reference_load_importance
+    layer = make({"type": "top", "k": 2, "gate_noise": 0.5, "renormalize": False, "routed_scaling_factor": 3.0},
+                 num_experts=5, is_gshard_loss=False)
+    x = torch.randn(17, MODEL_DIM, dtype=torch.float64)
+    torch.manual_seed(11)
+    y = layer(x)
+    torch.manual_seed(11)
+    logits = x @ layer.gates[0].wg.weight.detach().t()
+    noisy = logits + 0.5 * torch.randn_like(logits) / 5
+    torch.testing.assert_close(y.l_aux.double(), reference_load_importance(logits, noisy, 2, 0.5), rtol=1e-5, atol=1e-7)
+
+
+class CustomGate(torch.nn.Module):
+    def __init__(self, model_dim, num_global_experts, top_k=1):
+        super().__init__()
+        self.top_k = top_k
+        self.wg = torch.nn.Linear(model_dim, num_global_experts, bias=False)
+
+    def forward(self, x):
+        return self.wg(x)
+
+
+def test_custom_gate_takes_the_scored_routing_options():
+    layer = make(dict(DEEPSEEK, type="custom", module=CustomGate, top_k=2), num_experts=8)
+    bias = randomize_bias(layer)
+    compare(layer, torch.randn(3, 5, MODEL_DIM, dtype=torch.float64), dict(DEEPSEEK_ROUTE, bias=bias, renormalize=True),
+            k=2, capacity_factor=1.0, loss="sequence", sequence_length=5)
