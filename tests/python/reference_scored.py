@@ -104,7 +104,8 @@ def clamped_swiglu(h, w_gu, b_gu, w_down, b_down, alpha=1.702, limit=7.0, interl
         gate, up = gate_up[:half], gate_up[half:]
     if limit is not None:
         gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
-        up = torch.where(up > limit, torch.full_like(up, limit), torch.where(up < -limit, torch.full_like(up, -limit), up))
+        up = torch.where(up > limit, torch.full_like(up, limit),
+                         torch.where(up < -limit, torch.full_like(up, -limit), up))
     glu = gate / (1.0 + torch.exp(-alpha * gate))
     return ((up + 1) * glu) @ w_down + (b_down if b_down is not None else 0)
 
@@ -149,7 +150,9 @@ def scored_moe(x, logits, expert_fn, k, capacity_factor, route, *, is_postscore=
             total = part if total is None else total + part
         rows.append(total)
     width = expert_fn(0, x.new_zeros(x.shape[1])).shape[0]
-    output = torch.stack([r if r is not None else x.new_zeros(width) for r in rows]) if tokens else x.new_zeros(0, width)
+    if not tokens:
+        return x.new_zeros(0, width), logits.sum() * 0, ids, kept
+    output = torch.stack([r if r is not None else x.new_zeros(width) for r in rows])
 
     route_kinds = dict(score_function=route.get("score_function", "softmax"),
                        softmax_after_topk=route.get("softmax_after_topk", False))

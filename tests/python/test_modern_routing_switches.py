@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import reference_scored as ref
-from test_modern_routing import MODEL_DIM, HIDDEN, clamped_reference, compare, make, randomize_bias
+from scored_harness import HIDDEN, MODEL_DIM, clamped_reference, compare, make, randomize_bias
 from tutel import checkpoint, moe
 from tutel.experts import ClampedSwiGLUExperts
 
@@ -231,7 +231,8 @@ def test_empty_and_one_token_batches(balance_loss):
             (y.sum() + y.l_aux).backward()
             assert y.shape == x.shape and float(y.l_aux.detach()) == 0.0
         bias = randomize_bias(layer)
-        compare(layer, torch.randn(1, 1, MODEL_DIM, dtype=torch.float64), dict(DEEPSEEK_ROUTE, bias=bias, renormalize=True),
+        compare(layer, torch.randn(1, 1, MODEL_DIM, dtype=torch.float64),
+                dict(DEEPSEEK_ROUTE, bias=bias, renormalize=True),
                 k=3, capacity_factor=capacity_factor, loss=balance_loss, z_loss_weight=0.1, sequence_length=1,
                 expert_reference=clamped_reference)
 
