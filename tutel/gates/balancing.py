@@ -23,8 +23,10 @@ DEFAULT_UPDATE_RATE = 1e-3  # DeepSeek-V3's bias update speed for most of its pr
 
 class SelectionBias(torch.nn.Module):
     """The bias of one gate (``bias``, float32 or float64, in the state_dict) and the loads counted
-    since the last update (``load``, int64, not saved).
+    since the last update (``load``, int64).
 
+    ``load`` is a plain tensor attribute, not a buffer: it is not saved, and DistributedDataParallel
+    (which broadcasts rank 0's buffers before every forward) leaves each process's counts alone.
     ``module.half()`` / ``.bfloat16()`` keep the bias float32: steps of 1e-3 would vanish in a
     16-bit bias."""
 
@@ -32,7 +34,7 @@ class SelectionBias(torch.nn.Module):
         super().__init__()
         self.update_rate = DEFAULT_UPDATE_RATE if update_rate is None else float(update_rate)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.load = torch.zeros(num_experts, dtype=torch.int64)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.bias.numel()}, update_rate={self.update_rate}"
@@ -42,6 +44,7 @@ class SelectionBias(torch.nn.Module):
         result = super()._apply(fn, *args, **kwargs)
         if self.bias.dtype in (torch.float16, torch.bfloat16):
             self._buffers["bias"] = before.to(device=self.bias.device, dtype=torch.float32)
+        self.load = fn(self.load)  # follows the module's device (integer counts keep their dtype)
         return result
 
     def record(self, dispatch_count: torch.Tensor) -> None:

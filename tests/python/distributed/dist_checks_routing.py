@@ -4,8 +4,9 @@
   limiting, scaling, the global-batch loss (choices counted over every rank), the z-loss and a
   gated shared expert; outputs, l_aux and every gradient equal the reference run on the global
   weights (expert gradients summed over the ranks).
-* Aux-loss-free balancing: after several steps on different tokens per rank, the bias is identical
-  on every rank and equals the single-process update computed from all ranks' tokens.
+* Aux-loss-free balancing: after several steps on different tokens per rank (the layer inside
+  DistributedDataParallel), the bias is identical on every rank and equals the single-process
+  update computed from all ranks' tokens.
 * Processes that built the layer with different routing options or shared experts are named.
 """
 import os
@@ -91,24 +92,29 @@ def expert_parallel_scored_routing_equals_reference():
 def selection_bias_identical_on_every_rank_and_equal_to_one_process():
     rate, k = 0.02, 2
     layer = make_layer(k, 3, bias_update_rate=rate, balance_loss="none", z_loss_weight=0.0)
+    # DistributedDataParallel (for the replicated parameters) broadcasts rank 0's buffers before every
+    # forward: each rank's counts must survive it
+    layer._ddp_params_and_buffers_to_ignore = [name for name, p in layer.named_parameters()
+                                               if getattr(p, "_tutel_expert", False)]
+    model = torch.nn.parallel.DistributedDataParallel(layer)
     experts = layer.num_global_experts
     expected = layer.gates[0].selection_bias.bias.tolist()
     weight = layer.gates[0].wg.weight.detach()
-    for step in range(5):
-        torch.manual_seed(50 * step + rank())
-        x = torch.randn(7 + 4 * rank(), MODEL_DIM, dtype=torch.float64) + rank()  # ranks see different tokens
-        layer(x).sum().backward()
-        assert layer.update_selection_bias() == 1
-        sizes = [7 + 4 * r for r in range(world())]
-        padded = torch.zeros(max(sizes), MODEL_DIM, dtype=torch.float64)
-        padded[:x.shape[0]] = x
-        table = net.simple_all_gather(padded.unsqueeze(0))
-        every_x = torch.cat([table[r, :sizes[r]] for r in range(world())])
+    sizes = [7 + 4 * r for r in range(world())]  # ranks see different numbers of different tokens
+    for step in range(4):
         loads = [0] * experts
-        for logits in every_x @ weight.t():
-            for e in ref.route_token(logits, k, score_function="sigmoid", bias=expected, n_group=GROUPS,
-                                     topk_group=TOPK_GROUPS)[0]:
-                loads[e] += 1
+        for micro in range(2):  # gradient accumulation: both micro-batches count
+            torch.manual_seed(100 * step + 10 * micro + rank())
+            x = torch.randn(sizes[rank()], MODEL_DIM, dtype=torch.float64) + rank()
+            model(x).sum().backward()
+            padded = torch.zeros(max(sizes), MODEL_DIM, dtype=torch.float64)
+            padded[:x.shape[0]] = x
+            table = net.simple_all_gather(padded.unsqueeze(0))
+            for logits in torch.cat([table[r, :sizes[r]] for r in range(world())]) @ weight.t():
+                for e in ref.route_token(logits, k, score_function="sigmoid", bias=expected, n_group=GROUPS,
+                                         topk_group=TOPK_GROUPS)[0]:
+                    loads[e] += 1
+        assert moe.update_selection_biases(model) == 1
         expected = ref.bias_step(expected, loads, rate)
         bias = layer.gates[0].selection_bias.bias
         close(bias, torch.tensor(expected, dtype=bias.dtype), "bias after the update", 1e-12)
