@@ -111,7 +111,9 @@ def gate_configs(gate_type) -> List[Dict[str, Any]]:
 
 
 def build_gate(config: Dict[str, Any], model_dim: int, num_global_experts: int) -> torch.nn.Module:
-    """Instantiates one gate and attaches its routing options (capacity_factor, gate_noise)."""
+    """Instantiates one gate and attaches its routing options: capacity_factor, gate_noise, the
+    scored-routing options (``gate.routing_options``, tutel.gates.scoring) and, with
+    ``selection_bias=True``, the bias module ``gate.selection_bias`` (tutel.gates.balancing)."""
     config = dict(config)
     gate_name = config.pop("type")
     routing_options = pop_routing_options(config, num_global_experts)  # scored routing (gates/scoring.py)
