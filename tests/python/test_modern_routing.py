@@ -90,3 +90,17 @@ def test_qwen2_moe_gated_shared_expert(k):
     layer = make(gate, experts, num_experts=13)
     compare(layer, torch.randn(25, MODEL_DIM, dtype=torch.float64), {}, k=k, capacity_factor=capacity_for(k),
             loss="gshard", z_loss_weight=0.1)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_many_experts_in_many_groups(k):
+    """72 experts in 8 groups of 9, tokens limited to 3 groups; tight static capacity drops choices."""
+    gate = {"type": "top", "k": k, "score_function": "sigmoid", "selection_bias": True, "n_group": 8,
+            "topk_group": 3, "renormalize": True, "routed_scaling_factor": 2.5, "balance_loss": "sequence",
+            "capacity_factor": 1.0}
+    layer = make(gate, num_experts=72)
+    bias = randomize_bias(layer, scale=0.1)
+    _, kept = compare(layer, torch.randn(4, 10, MODEL_DIM, dtype=torch.float64),
+                      dict(score_function="sigmoid", bias=bias, n_group=8, topk_group=3, renormalize=True, scale=2.5),
+                      k=k, capacity_factor=1.0, loss="sequence", sequence_length=10)
+    assert not all(all(row) for row in kept)  # some choices were dropped
