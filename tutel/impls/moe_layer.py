@@ -331,7 +331,7 @@ class MOELayer(torch.nn.Module):
             noisy_logits = logits
         options = getattr(gate, "routing_options", None)
         if options is not None and not options.is_default:
-            return self._route_scored(x, gate, logits, noisy_logits, top_k, capacity_factor, overlap,
+            return self._route_scored(gate, logits, noisy_logits, top_k, capacity_factor, overlap,
                                       megablocks_size, inequivalent_tokens, sequence_length)
         scores = F.softmax(noisy_logits, dim=1)
         if self.is_gshard_loss:
@@ -347,7 +347,7 @@ class MOELayer(torch.nn.Module):
             alignment=capacity_alignment(self.sharded_count, overlap, megablocks_size), group=self.group,
             inequivalent_tokens=inequivalent_tokens)
 
-    def _route_scored(self, x, gate, logits, noisy_logits, top_k, capacity_factor, overlap, megablocks_size,
+    def _route_scored(self, gate, logits, noisy_logits, top_k, capacity_factor, overlap, megablocks_size,
                       inequivalent_tokens, sequence_length):
         """Routing under the gate's scored-routing options (tutel.impls.scored_routing); in training
         it also counts the choices each expert received for the selection-bias update."""
