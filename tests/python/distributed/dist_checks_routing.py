@@ -89,6 +89,44 @@ def expert_parallel_scored_routing_equals_reference():
 
 
 @checks.add
+def expert_parallel_clamped_swiglu_experts_equal_reference():
+    """gpt-oss style: router bias, softmax over the chosen logits, clamped SwiGLU experts (whole
+    experts per rank, also gathered everywhere with adaptive_r = 0)."""
+    names = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 2, "router_bias": True, "softmax_after_topk": True},
+                          model_dim=MODEL_DIM, seeds=(1, rank() + 1, 1),
+                          experts={"type": "clamped_swiglu", "num_experts_per_device": 2, "hidden_size_per_expert": 3,
+                                   "limit": 0.5}).double()
+    for capacity_factor, adaptive_r in ((1.0, 1), (0.0, 0), (0.5, 0)):
+        torch.manual_seed(2000 + rank())
+        x = torch.randn(13, MODEL_DIM, dtype=torch.float64, requires_grad=True)
+        upstream = torch.randn(13, MODEL_DIM, dtype=torch.float64)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x, capacity_factor=capacity_factor, adaptive_r=adaptive_r)
+        ((y * upstream).sum() + 0.3 * y.l_aux).backward()
+
+        params = [net.simple_all_gather(getattr(layer.experts, n).detach().contiguous()).requires_grad_()
+                  for n in names]
+        wg, bg = (p.detach().clone().requires_grad_() for p in (layer.gates[0].wg.weight, layer.gates[0].wg.bias))
+        x64 = x.detach().clone().requires_grad_()
+
+        def expert_fn(e, h):
+            return ref.clamped_swiglu(h, *(p[e] for p in params), limit=0.5)
+        out64, l_aux64, _, _ = ref.scored_moe(
+            x64, x64 @ wg.t() + bg, expert_fn, 2, capacity_factor, dict(softmax_after_topk=True, renormalize=True),
+            agree_capacity=lambda c: net.all_reduce_max_int(c, torch.device("cpu")))
+        ((out64 * upstream).sum() + 0.3 * l_aux64).backward()
+        close(y, out64.detach(), "output", 1e-10)
+        close(y.l_aux, l_aux64.detach(), "l_aux", 1e-10)
+        close(x.grad, x64.grad, "input gradient", 1e-10)
+        close(layer.gates[0].wg.weight.grad, wg.grad, "gate gradient", 1e-10)
+        close(layer.gates[0].wg.bias.grad, bg.grad, "router bias gradient", 1e-10)
+        for name, copy in zip(names, params):
+            total = net.simple_all_reduce(copy.grad if copy.grad is not None else torch.zeros_like(copy))
+            close(getattr(layer.experts, name).grad, total[rank() * 2:(rank() + 1) * 2], name, 1e-10)
+
+
+@checks.add
 def selection_bias_identical_on_every_rank_and_equal_to_one_process():
     rate, k = 0.02, 2
     layer = make_layer(k, 3, bias_update_rate=rate, balance_loss="none", z_loss_weight=0.0)
