@@ -1,12 +1,15 @@
-"""Scored routing and the new experts against transformers' own MoE blocks (DeepSeek-V3, Qwen3-MoE,
-Qwen2-MoE, gpt-oss, Llama 4): the same weights and tokens in, the same chosen experts, weights,
+"""Scored routing and the new experts against transformers' own MoE blocks (DeepSeek-V3, GLM-4.5,
+Qwen3-MoE, Qwen2-MoE, gpt-oss, Llama 4, and Mixtral with Tutel's default routing): the same weights and tokens in, the same chosen experts, weights,
 outputs and input gradients out.  Every parameter is randomised first (transformers initialises
 routers and biases to zero).  The routers of DeepSeek-V3, the Qwen families and Llama 4 compute in
-float32, so there values agree to float32 precision; gpt-oss's to float64 precision."""
+float32 (Mixtral's softmax too), so there values agree to float32 precision; gpt-oss's to float64
+precision."""
 import torch
 from transformers.models.deepseek_v3 import configuration_deepseek_v3, modeling_deepseek_v3
+from transformers.models.glm4_moe import configuration_glm4_moe, modeling_glm4_moe
 from transformers.models.gpt_oss import configuration_gpt_oss, modeling_gpt_oss
 from transformers.models.llama4 import configuration_llama4, modeling_llama4
+from transformers.models.mixtral import configuration_mixtral, modeling_mixtral
 from transformers.models.qwen2_moe import configuration_qwen2_moe, modeling_qwen2_moe
 from transformers.models.qwen3_moe import configuration_qwen3_moe, modeling_qwen3_moe
 
@@ -98,6 +101,34 @@ def test_deepseek_v3_block():
     compare_blocks(block, layer, x, **FLOAT32_ROUTER)
     _, expected_weights, expected_ids = block.gate(x)
     same_choices(*records[0], expected_ids, expected_weights, **FLOAT32_ROUTER)
+
+
+def test_glm4_moe_block():
+    config = configuration_glm4_moe.Glm4MoeConfig(
+        hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, n_routed_experts=12, num_experts_per_tok=4,
+        n_group=3, topk_group=2, routed_scaling_factor=1.8, norm_topk_prob=True, n_shared_experts=1)
+    block = randomize(modeling_glm4_moe.Glm4MoeMoE(config))
+    layer = tutel_layer({"type": "top", "k": 4, "score_function": "sigmoid", "selection_bias": True, "n_group": 3,
+                         "topk_group": 2, "routed_scaling_factor": 1.8, "renormalize": True},
+                        {"type": "llama_ffn", "hidden_size_per_expert": INTERMEDIATE,
+                         "shared_experts": {"hidden_size": INTERMEDIATE}}, 12)
+    with torch.no_grad():
+        layer.gates[0].wg.weight.copy_(block.gate.weight)
+        layer.gates[0].selection_bias.bias.copy_(block.gate.e_score_correction_bias)
+    load_concatenated_experts(layer, block.experts)
+    layer.shared_experts.load_state_dict(block.shared_experts.state_dict())
+    compare_blocks(block, layer, torch.randn(2, 7, HIDDEN, dtype=torch.float64), **FLOAT32_ROUTER)
+
+
+def test_mixtral_block_with_tutels_default_routing():
+    config = configuration_mixtral.MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                                 num_local_experts=7, num_experts_per_tok=2)
+    block = randomize(modeling_mixtral.MixtralSparseMoeBlock(config)).eval()
+    layer = tutel_layer({"type": "top", "k": 2}, {"type": "llama_ffn", "hidden_size_per_expert": INTERMEDIATE}, 7)
+    with torch.no_grad():
+        layer.gates[0].wg.weight.copy_(block.gate.weight)
+    load_concatenated_experts(layer, block.experts)
+    compare_blocks(block, layer, torch.randn(2, 9, HIDDEN, dtype=torch.float64), **FLOAT32_ROUTER)
 
 
 def test_qwen3_moe_block_and_its_balance_loss():
