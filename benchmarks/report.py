@@ -17,15 +17,42 @@ DOC = os.path.join(ROOT, "docs", "performance.md")
 IMAGES = os.path.join(ROOT, "docs", "images")
 BENCHMARKS = ("layer", "scaling", "dispatch", "dropless")  # one process each, with a machine record
 MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distributed.run
+FRAMEWORK_BENCHMARKS = ("transformers_moe",)  # optional: needs Hugging Face transformers
 
 # The issue's targets (fp32, this 2-core machine).
 TARGETS = {"layer/ideal E=8": 1.10, "layer/ideal E=64": 1.25, "naive/layer E=64": 5.0, "dispatch of copy": 0.5,
-           "memory vs ideal": 1.2, "grouped/ideal": 1.2}
+           "memory vs ideal": 1.2, "grouped/ideal": 1.2,
+           # against transformers' experts backends and the machine's limits (every case, fp32 and bf16)
+           "best_transformers/tutel": 1.2, "tutel/limit": 1.25}
+
+
+def as_baseline(rows: List[dict], columns: Sequence[str]):
+    """The JSON's 'ideal' (the padded-GEMM computation the layer is compared with) shown under its
+    real name: it runs well below the machine's GEMM rate, so it is a baseline, not a limit."""
+    def rename(key):
+        return key.replace("ideal", "baseline")
+    return [{rename(key): value for key, value in row.items()} for row in rows], [rename(c) for c in columns]
+
+
+def with_layer_limit(rows: List[dict], gemm_gflops: Optional[float]) -> List[dict]:
+    """Rows plus the compute limit of a layer step: the FLOPs of its GEMMs over the kept k*T rows
+    (2 expert GEMMs and the gate GEMM, forward + 2x backward) at the machine's measured GEMM rate."""
+    if not gemm_gflops:
+        return rows
+    out = []
+    for row in rows:
+        if row["dtype"] != "fp32":  # the roofline's GEMM rate is float32's
+            out.append(row)
+            continue
+        flops = 3 * 2 * row["T"] * row["M"] * (2 * row["k"] * row["H"] + row["E"])
+        limit_ms = flops / (gemm_gflops * 1e9) * 1e3
+        out.append(dict(row, limit_ms=limit_ms, **{"layer/limit": row["layer_ms"] / limit_ms}))
+    return out
 
 
 def load_results(directory: str) -> Dict[str, dict]:
     results = {}
-    for name in BENCHMARKS + MULTI_PROCESS_BENCHMARKS:
+    for name in BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS:
         path = os.path.join(directory, f"{name}.json")
         if os.path.exists(path):
             with open(path) as handle:
@@ -53,16 +80,16 @@ def target_rows(results: Dict[str, dict]) -> List[dict]:
     layer = results.get("layer", {}).get("rows", [])
     small, fine = fp32_row(layer, (4096, 512, 1024, 8, 2)), fp32_row(layer, (4096, 512, 256, 64, 2))
     if small:
-        add("layer / ideal", small["layer/ideal"], TARGETS["layer/ideal E=8"], detail="T=4096 M=512 H=1024 E=8 k=2",
+        add("layer / padded-GEMM baseline", small["layer/ideal"], TARGETS["layer/ideal E=8"], detail="T=4096 M=512 H=1024 E=8 k=2",
             glibc=small.get("layer/ideal_glibc"))
     if fine:
-        add("layer / ideal", fine["layer/ideal"], TARGETS["layer/ideal E=64"], detail="T=4096 M=512 H=256 E=64 k=2",
+        add("layer / padded-GEMM baseline", fine["layer/ideal"], TARGETS["layer/ideal E=64"], detail="T=4096 M=512 H=256 E=64 k=2",
             glibc=fine.get("layer/ideal_glibc"))
         add("naive / layer", fine.get("naive/layer"), TARGETS["naive/layer E=64"], at_most=False,
             detail="T=4096 M=512 H=256 E=64 k=2")
     for row in layer:
         if row["dtype"] == "fp32" and row.get("layer_mem/ideal_mem") is not None:
-            add("peak memory: layer / ideal", row["layer_mem/ideal_mem"], TARGETS["memory vs ideal"],
+            add("peak memory: layer / baseline", row["layer_mem/ideal_mem"], TARGETS["memory vs ideal"],
                 detail=f"T={row['T']} E={row['E']} k={row['k']}")
     for row in results.get("dispatch", {}).get("dispatch", []):
         if row["dtype"] == "fp32" and row["kernel"] != "copy":
@@ -76,9 +103,24 @@ def target_rows(results: Dict[str, dict]) -> List[dict]:
                               f"dense masks {metadata['dense_over_metadata']:.0f}x larger"})
     for row in results.get("dropless", {}).get("rows", []):
         if row["routing"] == "zipf":
-            add("dropless grouped / ideal (real tokens)", row["grouped/ideal"], TARGETS["grouped/ideal"],
+            add("dropless grouped / per-expert baseline (real tokens)", row["grouped/ideal"], TARGETS["grouped/ideal"],
                 detail=f"T={row['T']} H={row['H']} E={row['E']}, busiest expert {row['busiest_share']:.0%}",
                 glibc=row.get("grouped/ideal_glibc"))
+    hf_rows = results.get("transformers_moe", {}).get("rows", [])
+
+    def where(row):
+        return f"worst case: {row['family']} {row['pass']} T={row['T']}"
+    for dtype in sorted({row["dtype"] for row in hf_rows}, reverse=True):
+        rows_of = [row for row in hf_rows if row["dtype"] == dtype]
+        worst = min(rows_of, key=lambda row: row["best_transformers/tutel"])
+        add(f"{dtype}: best transformers backend / tutel, every case", worst["best_transformers/tutel"],
+            TARGETS["best_transformers/tutel"], at_most=False, detail=where(worst))
+        for label, keep in (("T >= 2048", lambda t: t >= 2048), ("T <= 16", lambda t: t <= 16)):
+            limited = [row for row in rows_of if keep(row["T"])]
+            if limited:
+                worst = max(limited, key=lambda row: row["tutel/limit"])
+                add(f"{dtype}: tutel / machine limit, {label}", worst["tutel/limit"], TARGETS["tutel/limit"],
+                    detail=where(worst))
     return rows
 
 
@@ -149,13 +191,13 @@ def plot_scaling(scaling: dict, images: str) -> List[str]:
         for name, style in (("layer", "o-"), ("ideal", "s--"), ("naive", "^:")):
             points = [(x, r[f"{name}_ms"]) for x, r in zip(xs, rows) if r.get(f"{name}_ms") is not None]
             if points:
-                times.plot(*zip(*points), style, label={"layer": "moe_layer", "ideal": "ideal (gate GEMM + experts)",
+                times.plot(*zip(*points), style, label={"layer": "moe_layer", "ideal": "padded-GEMM baseline",
                                                        "naive": "naive one-hot einsum"}[name])
         times.set(xscale="log", yscale="log", xlabel=label, ylabel="ms per step (fwd + bwd)")
         times.legend()
         times.grid(True, which="both", alpha=0.3)
         ratio.plot(xs, [r["layer/ideal"] for r in rows], "o-")
-        ratio.set(xscale="log", xlabel=label, ylabel="moe_layer / ideal")
+        ratio.set(xscale="log", xlabel=label, ylabel="moe_layer / padded-GEMM baseline")
         ratio.grid(True, which="both", alpha=0.3)
         foreign = max((r.get("foreign_cpus") or 0) for r in rows)
         figure.suptitle(f"fp32, forward + backward, {scaling['machine']['torch_threads']} threads "
@@ -202,8 +244,11 @@ would hand PyTorch a stride-0 gradient and favour some kernels), parameter gradi
 `None` first.
 
 **The candidates.**  *layer*: `tutel.moe.moe_layer` with the `top` gate (capacity factor 1) and
-`ffn` experts (ReLU).  *ideal*: only what the layer must compute - the gate GEMM and the same expert
-module, on tokens already laid out as `[E, C, M]`, forward and backward.  *naive*: a GShard /
+`ffn` experts (ReLU).  *baseline* (the padded-GEMM baseline; `ideal` in the JSON): the gate GEMM and
+the same expert module, on tokens already laid out as `[E, C, M]`, forward and backward.  It is a
+baseline, not a limit: its batched GEMMs run well below the machine's GEMM rate, so *limit* (the
+step's GEMM FLOPs over the kept k*T rows at the GEMM rate measured in the same run) is given beside
+it.  *naive*: a GShard /
 fairseq-style layer in plain PyTorch (dense `[T, E]` one-hot masks, cumsum slots, a `[T, E, C]`
 combine tensor, einsum dispatch and combine) sharing the gate and expert weights; its output is
 checked against the layer's before timing (`naive_max_abs_diff` in the JSON).
@@ -276,11 +321,40 @@ def exchange_section(exchange: dict) -> str:
             + format_table(exchange["rows"], exchange["columns"]))
 
 
+TRANSFORMERS_INTRO = """`benchmarks/transformers_moe.py` (one process, one run) times the experts module of real
+transformers MoE blocks, built from configs in code with random weights (hidden size scaled to 1024:
+Qwen3-MoE 64 experts top-8 I=512; Mixtral 8 experts top-2 I=3584; DeepSeek-V3 64 experts in 8 groups
+top-8 I=256; gpt-oss 32 experts top-4 I=1024 with biases and its clamped interleaved gate), all
+candidates on the same routing from the block's own router.  *eager*, *grouped_mm*, *batched_mm*:
+transformers' experts backends (`batched_mm` only where its per-choice weight copies fit in 2 GiB).
+*tutel*: tutel's experts implementation (`tutel.experts.routed_experts`).  *moe_layer*: tutel's
+`moe_layer` holding the same weights (llama_ffn experts, `capacity_factor=0, megablocks_size=1`);
+it runs its own top-k softmax router, so its time includes routing (not for gpt-oss, whose gate
+llama_ffn cannot express).  *limit*: the larger of the compute limit (FLOPs of the routed pairs,
+x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype, measured in
+the same run) and the bandwidth limit (bytes of the distinct experts' weights at the measured read
+bandwidth of a buffer 8x the last-level cache).  Ratios above 1 in *best_transformers/tutel* mean
+tutel is faster."""
+
+
+def transformers_section(result: dict) -> str:
+    m, limits = result["machine"], result["limits"]
+    rates = ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value:.0f} GFLOP/s" for key, value in limits.items()
+                      if key.startswith("gemm_gflops_"))
+    flags = result.get("cpu_flags")
+    return ("## Against transformers' experts backends\n\n" + TRANSFORMERS_INTRO + "\n\n"
+            f"Measured on: {result.get('lscpu_model') or m['cpu']} ({m['logical_cpus']} logical CPUs, "
+            f"{m['torch_threads']} threads{', flags: ' + flags if flags else ''}); torch {m['torch']}; "
+            f"finished {result['finished']}.  Limits in this run: {rates}, read {limits['read_gbps']:.1f} GB/s.  "
+            f"tutel ran as the experts implementation `{result.get('tutel_backend')}`.\n\n"
+            + format_table(result["rows"], result["columns"]))
+
+
 def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     parts = [INTRO, machine_section(results)]
     targets = target_rows(results)
     if targets:
-        parts.append("## Targets (fp32, 2 threads)\n\n" + TARGETS_NOTE + format_table(
+        parts.append("## Targets (2 threads; fp32 unless named)\n\n" + TARGETS_NOTE + format_table(
             targets, ["target", "goal", "measured", "met", "glibc default malloc", "where"]))
     layer = results.get("layer")
     if layer:
@@ -298,9 +372,11 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                 "the operators' self CPU time per step in `torch.profiler` (which adds some overhead of its own).  "
                 "Kept choices are counted as k*T, an upper bound.\n\n"
                 + format_table(budget, ["kernel", "MB", "MFLOP", "bound_ms", "measured_ms", "measured/bound"]))
-        parts.append("## moe_layer against the ideal and the naive layer\n\n"
+        limit_rows = with_layer_limit(layer["rows"], (layer.get("roofline") or {}).get("gemm_gflops"))
+        columns = list(layer["columns"]) + (["limit_ms", "layer/limit"] if limit_rows is not layer["rows"] else [])
+        parts.append("## moe_layer against the padded-GEMM baseline, the machine's limit and the naive layer\n\n"
                      "Times in ms per step; peak memory in MiB above the step's start.\n\n"
-                     + format_table(layer["rows"], layer["columns"]))
+                     + format_table(*as_baseline(limit_rows, columns)))
     scaling = results.get("scaling")
     if scaling:
         written = plot_scaling(scaling, images)
@@ -312,7 +388,7 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                      "Expert sweep: "
                      f"T*k={sweep_e['choices']} routed choices, M={sweep_e['M']}, H={sweep_e['H']} (k=1 for one "
                      "expert, else 2).  The naive layer is left out where its [T, E, C] tensors would exceed 1 GiB.\n\n"
-                     + pictures + "\n\n" + format_table(scaling["rows"], scaling["columns"]))
+                     + pictures + "\n\n" + format_table(*as_baseline(scaling["rows"], scaling["columns"])))
     dispatch = results.get("dispatch")
     if dispatch:
         columns = dispatch["columns"]
@@ -335,12 +411,15 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                      "`capacity_factor=0`.  *grouped*: `megablocks_size=1`, tokens dispatched straight into each "
                      "expert's real rows and the expert GEMMs run per expert over those rows only (one "
                      "`grouped_linear` operator call per layer).  *padded*: every expert padded to the busiest "
-                     "one's load.  *ideal*: the gate GEMM plus one dense FFN per expert over exactly its tokens.  "
+                     "one's load.  *baseline* (`ideal` in the JSON): the gate GEMM plus one dense FFN per expert over "
+                     "exactly its tokens.  "
                      "Skewed routing (`zipf`): every token picks expert 0 and a second expert from a Zipf law "
                      f"(exponent {dropless['zipf_exponent']}).\n\n"
-                     + format_table(dropless["rows"], dropless["columns"]))
+                     + format_table(*as_baseline(dropless["rows"], dropless["columns"])))
     if results.get("dist_alltoall"):
         parts.append(exchange_section(results["dist_alltoall"]))
+    if results.get("transformers_moe"):
+        parts.append(transformers_section(results["transformers_moe"]))
     parts.append(NOTES)
     return "\n\n".join(parts) + "\n"
 
@@ -351,15 +430,15 @@ NOTES = """## Notes
   ones are often given back to the OS after use, so an operator that returns a large fresh tensor
   first pays the kernel for faulting its pages in (zero-filled) - on this VM a few GB/s, slower
   than the operators themselves.  How often that happens depends on tensor sizes and allocation
-  history, not on the code measured: the ideal gets its `[E, C, M]` inputs ready-made while the
+  history, not on the code measured: the baseline gets its `[E, C, M]` inputs ready-made while the
   layer allocates its dispatch buffers, and a grouped `[N, H]` activation crosses 32 MiB where the
-  ideal's per-expert pieces do not.  So the timings are taken with glibc told to keep freed memory
+  baseline's per-expert pieces do not.  So the timings are taken with glibc told to keep freed memory
   for reuse (`mallopt(M_MMAP_MAX, 0)`, no trimming), which is what the caching allocators that
   PyTorch recommends for CPU training (jemalloc, tcmalloc) do; the layer and dropless benchmarks
   also report their ratios under glibc's defaults (`*_glibc` columns), measured first in the same
   process.
 * **Fresh pages.**  *extra_fault_mib* is the memory the layer's step faults in (first touches,
-  zero-filled by the kernel) beyond the ideal's.  It is near zero while freed memory is reused;
+  zero-filled by the kernel) beyond the baseline's.  It is near zero while freed memory is reused;
   where it is not (the largest token counts, whose `[E, C, M]` buffers are hundreds of MiB and do
   not fit back into the fragmented heap), the ratio there measures the page faults (expensive in
   this VM: a few microseconds per 4 KiB page) more than the layer's own work.

@@ -10,6 +10,7 @@ is the MoE layer (it exposes ``sharded_count``, ``adaptive_degree``, ``group``,
 from .clamped_swiglu import ClampedSwiGLUExperts
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
+from .routed import routed_experts
 from .shared import SharedExperts
 
-__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts"]
+__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts"]

@@ -16,18 +16,9 @@ import torch
 
 from ..impls.autocast import autocast_dtype
 from ._checks import require_dim, require_floating
-
-
-def _right_factor(weight: torch.Tensor, weight_transposed: bool) -> torch.Tensor:
-    """The [.., K, O] matrices the rows are multiplied by."""
-    return weight.transpose(-1, -2) if weight_transposed else weight
-
-
-def _weight_grad(rows: torch.Tensor, grad: torch.Tensor, weight_transposed: bool) -> torch.Tensor:
-    """d weight for rows [.., n, K] and output gradient [.., n, O], in the weight's layout."""
-    if weight_transposed:
-        return torch.matmul(grad.transpose(-1, -2), rows)
-    return torch.matmul(rows.transpose(-1, -2), grad)
+from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
+from .grouped_mm import grouped_rows_mm
+from .precision import gemm_dtype
 
 
 def _autocast_operands(x, weight):
@@ -68,43 +59,6 @@ class _BatchedLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        group_rows: Sequence[int], weight_transposed: bool) -> torch.Tensor:
-    """grouped_linear with one matrix product per expert from Python (devices without the
-    compiled operator)."""
-    out = x.new_empty((x.shape[0], weight.shape[1] if weight_transposed else weight.shape[2]))
-    offset = 0
-    for expert, count in enumerate(group_rows):
-        if count:
-            rows = x[offset:offset + count]
-            right = _right_factor(weight[expert], weight_transposed)
-            if bias is None:
-                torch.mm(rows, right, out=out[offset:offset + count])
-            else:
-                torch.addmm(bias[expert], rows, right, out=out[offset:offset + count])
-        offset += count
-    return out
-
-
-def grouped_linear_backward_loop(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_rows: Sequence[int],
-                                 weight_transposed: bool, output_mask: Sequence[bool]):
-    """grouped_linear_backward with one set of matrix products per expert from Python."""
-    grad_x = torch.empty_like(x) if output_mask[0] else None
-    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if output_mask[1] else None
-    grad_bias = grad.new_empty((weight.shape[0], grad.shape[1])) if output_mask[2] else None
-    offset = 0
-    for expert, count in enumerate(group_rows):
-        rows_grad, rows = grad[offset:offset + count], x[offset:offset + count]
-        if grad_x is not None and count:
-            torch.mm(rows_grad, _right_factor(weight[expert], weight_transposed).t(), out=grad_x[offset:offset + count])
-        if grad_weight is not None:
-            grad_weight[expert] = _weight_grad(rows, rows_grad, weight_transposed) if count else 0
-        if grad_bias is not None:
-            grad_bias[expert] = rows_grad.sum(dim=0) if count else 0
-        offset += count
-    return grad_x, grad_weight, grad_bias
-
-
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_rows, weight_transposed):
@@ -143,12 +97,24 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     Returns:
         ``[E, C, O]`` or ``[N, O]``.  The grouped layout runs each expert's product only over its
-        own rows, all from one operator call on CPU (a Python loop on other devices).
+        own rows, all from one operator call: tutel's grouped operator on CPU (it measured faster
+        than ``torch.nn.functional.grouped_mm`` there), ``grouped_mm`` on other devices where
+        PyTorch has it for the operands, else one product per expert.  16-bit operands on a CPU
+        without 16-bit dot products run in float32 once experts have enough rows
+        (``tutel.ops.precision``).
     """
     where = "tutel.ops.expert_linear"
     require_floating(x, "x", where)
     require_dim(weight, 3, "weight", where)
     x, weight = _autocast_operands(x, weight)
+    if x.dtype == weight.dtype and x.dim() in (2, 3):
+        rows_per_expert = x.shape[1] if group_rows is None and x.dim() == 3 else x.shape[0] / max(weight.shape[0], 1)
+        wide = gemm_dtype(x.dtype, x.device, rows_per_expert)
+        if wide != x.dtype:  # 16-bit operands on a CPU without 16-bit dot products (tutel.ops.precision)
+            out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
+            out = expert_linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide),
+                                weight_transposed, group_rows)
+            return out.to(out_dtype)
     if group_rows is None:
         require_dim(x, 3, "x", where)
         if x.shape[0] != weight.shape[0]:
@@ -159,8 +125,13 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if len(group_rows) != weight.shape[0] or any(count < 0 for count in group_rows) or sum(group_rows) != x.shape[0]:
         raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to the "
                          f"{x.shape[0]} rows of `x`, got {group_rows}")
-    if bias is not None and bias.dtype != x.dtype:  # autocast: add the wider bias after the product
-        out = _GroupedLinear.apply(x, weight, None, group_rows, bool(weight_transposed))
+    if x.device.type != "cpu" or (bias is not None and bias.dtype != x.dtype):
+        # Off the CPU: one grouped_mm where PyTorch has it for these operands (else a loop over
+        # the experts); a wider bias (autocast) is added after the product.
+        ends = torch.tensor(group_rows, device=x.device).cumsum(0)
+        out = grouped_rows_mm(x, weight, ends, transposed=not weight_transposed)
+        if bias is None:
+            return out
         counts = torch.tensor(group_rows, device=bias.device)
         return out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
     return _GroupedLinear.apply(x, weight, bias, group_rows, bool(weight_transposed))

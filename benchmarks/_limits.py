@@ -1,0 +1,58 @@
+"""The machine's measured limits, against which the MoE benchmarks express their times.
+
+* GEMM rate: FLOP/s of one large matrix product (``F.linear`` of [4096, K] by [N, K]) in the
+  dtype under test: no MoE layer can run its GEMMs faster than the machine runs one big one.
+* Read bandwidth: bytes/s of summing a buffer several times larger than the last-level cache:
+  at small batches an MoE layer must at least read the weights of the experts it uses once.
+"""
+import time
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_rate(dtype: torch.dtype, smoke: bool = False, reps: int = 5) -> float:
+    """FLOP/s of a [4096, 1024] x [1024, 1024]^T product (best of `reps`; smaller when smoke)."""
+    m, k, n = (256, 128, 128) if smoke else (4096, 1024, 1024)
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype)
+    return 2.0 * m * n * k / _best_seconds(lambda: F.linear(a, b), reps)
+
+
+def read_bandwidth(smoke: bool = False, reps: int = 5, cache_bytes: int = 32 << 20) -> float:
+    """Bytes/s of reading a float32 buffer of 8x the last-level cache (`cache_bytes`) once."""
+    numel = (1 << 16) if smoke else 8 * cache_bytes // 4
+    buffer = torch.ones(numel)
+    return numel * 4 / _best_seconds(lambda: buffer.sum(), reps)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache size reported by the OS (32 MiB if it cannot be read)."""
+    import glob
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes) if sizes else 32 << 20
+
+
+def measure_limits(dtypes, smoke: bool) -> Dict[str, float]:
+    """{'gemm_gflops_<dtype>': ..., 'read_gbps': ...} for the dtypes under test."""
+    limits = {f"gemm_gflops_{str(dtype).replace('torch.', '')}": gemm_rate(dtype, smoke) / 1e9 for dtype in dtypes}
+    limits["read_gbps"] = read_bandwidth(smoke, cache_bytes=last_level_cache_bytes()) / 1e9
+    return limits

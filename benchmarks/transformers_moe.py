@@ -1,0 +1,201 @@
+"""tutel against Hugging Face transformers' own experts backends, on transformers' MoE blocks.
+
+For each family (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss; configs in code, see _hf_blocks.py),
+dtype (float32, bfloat16) and token count, the block's experts module runs under transformers'
+backends ('eager', 'grouped_mm', 'batched_mm' where its gathered weights fit in memory) and
+under tutel ('tutel': the registered experts implementation), all on the same routing, which
+the block's own router computes once.  'moe_layer' is tutel's moe_layer holding the same
+weights (llama_ffn experts, dropless: capacity_factor 0, megablocks_size 1); it runs its own
+router (a softmax top-k like the family's), so its time includes routing.
+
+Limits measured in the same run (see _limits.py): compute = the FLOPs of the routed
+(token, expert) pairs at the machine's GEMM rate in the same dtype; bandwidth = the bytes of
+the distinct experts' weights touched at the measured read bandwidth.  limit = the larger.
+
+    python benchmarks/transformers_moe.py          # writes benchmarks/results/transformers_moe.json
+    python benchmarks/transformers_moe.py --smoke
+"""
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from _common import format_table, interleaved_medians, load_average, parse_args, write_result
+from _hf_blocks import (FAMILIES, build_block, experts_flops_per_choice, experts_weight_bytes, moe_layer_like,
+                        tutel_backend_name)
+from _limits import measure_limits
+
+TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
+FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
+TRAIN_TOKENS = (2048,)
+SMOKE_FORWARD_TOKENS, SMOKE_TRAIN_TOKENS = (5,), (7,)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BATCHED_MM_MAX_BYTES = 2 << 30  # batched_mm gathers one weight copy per (token, expert) pair
+SECONDS_PER_CASE = 6.0  # the repetitions of a case are cut to about this much time
+
+
+def _experts_call(block, backend: str, x, indices, weights, train: bool, grad) -> Callable[[], None]:
+    def run():
+        block.config._experts_implementation = backend
+        if train:
+            for p in block.experts.parameters():
+                p.grad = None
+            x.grad = None
+            y = block.experts(x, indices, weights)
+            y.backward(grad)
+        else:
+            with torch.no_grad():
+                block.experts(x, indices, weights)
+    return run
+
+
+def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
+    def run():
+        if train:
+            for p in layer.parameters():
+                p.grad = None
+            x.grad = None
+            y = layer(x, capacity_factor=0.0, megablocks_size=1)
+            y.backward(grad)
+        else:
+            with torch.no_grad():
+                layer(x, capacity_factor=0.0, megablocks_size=1)
+    return run
+
+
+def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int) -> int:
+    """Repetitions so that one case takes about SECONDS_PER_CASE (each candidate timed once)."""
+    start = time.perf_counter()
+    for fn in candidates.values():
+        fn()
+    once = time.perf_counter() - start
+    return max(1, min(max_reps, int(SECONDS_PER_CASE / max(once, 1e-6))))
+
+
+def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, limits: Dict[str, float],
+                 max_reps: int) -> Dict[str, object]:
+    dtype = DTYPES[dtype_name]
+    hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_(train)
+    with torch.no_grad():
+        indices, weights = block.router(x)
+    weights = weights.detach()
+    grad = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    k = indices.shape[1]
+    up = block.experts.gate_up_proj
+    gathered = tokens * k * sum(p[0].numel() * p.element_size() for p in block.experts.parameters())
+    backends = [b for b in TRANSFORMERS_BACKENDS if b != "batched_mm" or gathered * (3 if train else 1)
+                <= BATCHED_MM_MAX_BYTES]
+    candidates = {b: _experts_call(block, b, x, indices, weights, train, grad) for b in backends}
+    candidates["tutel"] = _experts_call(block, ours, x, indices, weights, train, grad)
+    if layer is not None:
+        candidates["moe_layer"] = _layer_call(layer, x, train, grad)
+    reps = _reps_for(candidates, max_reps)
+    times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
+    flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
+    active = int(torch.unique(indices).numel())
+    weight_bytes = active * experts_weight_bytes(block.experts)["per_expert"]
+    compute_ms = flops / (limits[f"gemm_gflops_{dtype_name}"] * 1e9) * 1e3
+    bandwidth_ms = weight_bytes / (limits["read_gbps"] * 1e9) * 1e3
+    row: Dict[str, object] = dict(family=block.name, dtype=dtype_name, pass_="fwd+bwd" if train else "fwd", T=tokens,
+                                  k=k, E=up.shape[0], active_experts=active, reps=reps,
+                                  compute_limit_ms=compute_ms, bandwidth_limit_ms=bandwidth_ms,
+                                  limit_ms=max(compute_ms, bandwidth_ms), load_before=load_average())
+    for name, seconds in times.items():
+        row[f"{name}_ms"] = seconds * 1e3
+    best = min(backends, key=lambda b: times[b])
+    row["best_transformers"] = best
+    row["best_transformers/tutel"] = times[best] / times["tutel"]
+    row["tutel/limit"] = times["tutel"] * 1e3 / row["limit_ms"]
+    if layer is not None:
+        row["best_transformers/moe_layer"] = times[best] / times["moe_layer"]
+        row["moe_layer/limit"] = times["moe_layer"] * 1e3 / row["limit_ms"]
+    row["foreign_cpus"] = times.foreign_cpus
+    row["pass"] = row.pop("pass_")
+    return row
+
+
+COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "grouped_mm_ms", "batched_mm_ms", "tutel_ms",
+           "moe_layer_ms", "limit_ms", "tutel/limit", "best_transformers", "best_transformers/tutel",
+           "moe_layer/limit", "best_transformers/moe_layer", "foreign_cpus"]
+
+
+def lscpu_model() -> Optional[str]:
+    """The CPU's model name as lscpu prints it (None without lscpu)."""
+    import subprocess
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), None)
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide the GEMM kernels' speed, and whether oneDNN has native 16-bit dot products."""
+    from tutel.ops.precision import cpu_has_native
+    try:
+        present = set(open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        present = set()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+    native = "native bf16 dot products" if cpu_has_native(torch.bfloat16) else "no native bf16 dot products"
+    return " ".join(flag for flag in wanted if flag in present) + f"; oneDNN: {native}"
+
+
+def _own_options(argv: Optional[Sequence[str]]):
+    """This script's options beyond the common ones: --families, --dtypes, --tokens (subsets)."""
+    import argparse
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--tokens", default=None, help="forward token counts, e.g. 1,16,2048")
+    parser.add_argument("--train-tokens", default=None)
+    parser.add_argument("--max-tokens-16bit", type=int, default=None,
+                        help="skip bfloat16 cases above this many tokens (on a loaded machine, or a CPU whose "
+                             "16-bit GEMMs are slow, they take minutes each)")
+    own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return own, rest
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    given = list(sys.argv[1:] if argv is None else argv)
+    own, argv = _own_options(given)
+    args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
+    ours = tutel_backend_name()
+    dtypes = {name: DTYPES[name] for name in own.dtypes.split(",")}
+    limits = measure_limits(list(dtypes.values()), args.smoke)
+    print("limits:", {key: round(value, 1) for key, value in limits.items()}, "tutel backend:", ours, flush=True)
+    rows: List[Dict[str, object]] = []
+    forward_tokens = SMOKE_FORWARD_TOKENS if args.smoke else FORWARD_TOKENS
+    train_tokens = SMOKE_TRAIN_TOKENS if args.smoke else TRAIN_TOKENS
+    if own.tokens is not None:
+        forward_tokens = [int(t) for t in own.tokens.split(",") if t]
+    if own.train_tokens is not None:
+        train_tokens = [int(t) for t in own.train_tokens.split(",") if t]
+    families = own.families.split(",")
+    for dtype_name, dtype in dtypes.items():
+        for family in families:
+            block = build_block(family, dtype, args.smoke)
+            layer = moe_layer_like(block)
+            cases = [(t, False) for t in forward_tokens] + [(t, True) for t in train_tokens]
+            if dtype != torch.float32 and own.max_tokens_16bit is not None:
+                cases = [(t, train) for t, train in cases if t <= own.max_tokens_16bit]
+            for tokens, train in cases:
+                row = measure_case(block, layer, ours, dtype_name, tokens, train, limits, args.reps)
+                rows.append(row)
+                print(format_table([row], COLUMNS), flush=True)
+            del block, layer
+    limits_after = measure_limits(list(dtypes.values()), args.smoke)
+    result = {"rows": rows, "columns": COLUMNS, "limits": limits, "limits_after": limits_after, "tutel_backend": ours,
+              "lscpu_model": lscpu_model(), "cpu_flags": cpu_flags(),
+              "families": {name: FAMILIES[name][1] for name in families}, "reps": args.reps,
+              "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
+    write_result(args.out, "transformers_moe", result, args.smoke)
+    print(format_table(rows, COLUMNS))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""Every layout flag of transformers' experts, module by module: the "tutel" implementation
+against the class's own eager forward (float64, to 1e-10, values and every gradient), the
+expert-parallel sentinels, empty and one-token batches, low precision and autocast."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import tutel.integrations.transformers  # noqa: E402,F401  (registers "tutel")
+
+from tiny_transformers_experts import CASES, E, make_inputs, make_pair  # noqa: E402
+
+EXACT = dict(rtol=1e-10, atol=1e-10)
+
+
+def _run(module, hidden, ids, weights):
+    """Output and the gradients of the tokens, the routing weights and every parameter."""
+    module.zero_grad()
+    hidden, weights = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
+    out = module(hidden, ids, weights)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (out.double() * probe).sum().backward()
+    grads = {"hidden_states": hidden.grad, "top_k_weights": weights.grad}
+    grads.update({name: p.grad for name, p in module.named_parameters()})
+    return out, grads
+
+
+# MuseSpark's post-expert norm computes in float32 whatever the model's dtype: the gradient of its
+# weight is a float32 sum over the rows, taken per expert by the eager loop and over all rows at
+# once here, so the two agree to float32's rounding only.
+FLOAT32_INSIDE = {"post_expert_norm.weight": dict(rtol=1e-6, atol=1e-6)}
+
+
+def _assert_same(got, want, **tolerance):
+    out, grads = got
+    expected_out, expected_grads = want
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        assert grad is not None and grads[name] is not None, name
+        torch.testing.assert_close(grads[name], grad, **FLOAT32_INSIDE.get(name, tolerance),
+                                   msg=lambda m: f"d {name}: {m}")
+
+
+@pytest.mark.parametrize("tokens,k", [(13, 3), (1, 2), (6, 5)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layout_equals_the_eager_experts_in_float64(case, tokens, k):
+    eager, ours = make_pair(case)
+    inputs = make_inputs(tokens, k)
+    _assert_same(_run(ours, *inputs), _run(eager, *inputs), **EXACT)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss", "nemotron_h"])
+def test_empty_batch(case):
+    eager, ours = make_pair(case)
+    hidden, ids, weights = make_inputs(0, 2)
+    out = ours(hidden, ids, weights)
+    assert out.shape == (0, hidden.shape[1]) and out.dtype == hidden.dtype
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_expert_parallel_sentinels_contribute_nothing(case):
+    """With ``_is_expert_parallel`` ids >= num_experts mark choices other processes compute:
+    no output and no gradient (routing weights included), as transformers' batched_mm /
+    grouped_mm experts do, even where the weight there is not zero."""
+    eager, ours = make_pair(case)
+    for module in (eager, ours):
+        module._is_expert_parallel = True
+    hidden, ids, weights = make_inputs(11, 3)
+    sentinel = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) < 0.4
+    ids = torch.where(sentinel, torch.full_like(ids, E), ids)
+    # transformers' own reference for the sentinels: batched_mm (float64 has no grouped_mm kernel)
+    eager.config._experts_implementation = "batched_mm"
+    got, want = _run(ours, hidden, ids, weights), _run(eager, hidden, ids, weights)
+    _assert_same(got, want, **EXACT)
+    assert sentinel.any() and torch.all(got[1]["top_k_weights"][sentinel] == 0)
+    # the same as dropping those choices: weight 0 and any real expert
+    eager.config._experts_implementation = "eager"
+    dropped = _run(eager, hidden, torch.where(sentinel, 0, ids), torch.where(sentinel, 0.0, weights))
+    torch.testing.assert_close(got[0], dropped[0], **EXACT)
+
+
+# (rtol, atol relative to the largest reference value)
+LOW_PRECISION = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _close(got, want, tolerance, what):
+    scale = max(float(want.detach().abs().max()), 1e-30)
+    torch.testing.assert_close(got.double(), want.double(), rtol=tolerance, atol=tolerance * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", sorted(LOW_PRECISION, key=str), ids=str)
+@pytest.mark.parametrize("case", ["gpt_oss", "mixtral", "muse_spark", "nemotron_h"])
+def test_low_precision_against_float64(case, dtype):
+    """The module in a low-precision dtype against the eager experts in float64 on the same
+    rounded parameters and inputs."""
+    eager, ours = make_pair(case, dtype=dtype)
+    eager = eager.double()
+    inputs = make_inputs(17, 3, dtype=dtype)
+    out, grads = _run(ours, *inputs)
+    want, want_grads = _run(eager, *(t.double() if t.is_floating_point() else t for t in inputs))
+    assert out.dtype == dtype
+    _close(out, want, LOW_PRECISION[dtype], "output")
+    for name, grad in want_grads.items():
+        _close(grads[name], grad, LOW_PRECISION[dtype], f"d {name}")
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_bfloat16_autocast_matches_the_eager_experts_under_autocast(case):
+    """float32 parameters and tokens under CPU autocast to bfloat16: the output keeps the tokens'
+    dtype like the eager experts' and is as close to the float64 result as theirs."""
+    eager, ours = make_pair(case, dtype=torch.float32)
+    truth = make_pair(case)[0]
+    hidden, ids, weights = make_inputs(17, 3, dtype=torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(hidden, ids, weights)
+        theirs = eager(hidden, ids, weights)
+    with torch.no_grad():
+        want = truth(hidden.double(), ids, weights.double())
+    assert got.dtype == theirs.dtype
+    scale = want.detach().abs().max()
+    our_error = float((got.double() - want).abs().max() / scale)
+    their_error = float((theirs.double() - want).abs().max() / scale)
+    assert our_error < max(2 * their_error, 2e-2), (our_error, their_error)

@@ -1,0 +1,222 @@
+"""tutel.experts.routed_experts against a float64 loop over tokens and choices: values and the
+gradients of x, weights, both weight tensors and both biases."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tutel.experts import routed_experts
+
+TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-4, 2e-5),
+             torch.bfloat16: (4e-2, 4e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def linear(v, weight, bias, transposed):
+    out = v @ weight if transposed else v @ weight.t()
+    return out if bias is None else out + bias
+
+
+def reference(x, ids, weights, up, down, up_bias, down_bias, transposed, gated, post_fn=None):
+    """Token by token, choice by choice, in float64."""
+    x, weights, up, down = (t.double() if t is not None else None for t in (x, weights, up, down))
+    up_bias, down_bias = (t.double() if t is not None else None for t in (up_bias, down_bias))
+    num_experts = up.shape[0]
+    rows = []
+    for t in range(x.shape[0]):
+        total = 0
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < num_experts:
+                continue
+            h = linear(x[t], up[e], None if up_bias is None else up_bias[e], transposed)
+            if gated:
+                half = h.shape[0] // 2
+                h = h[:half] * torch.sigmoid(h[:half]) * h[half:]
+            else:
+                h = torch.tanh(h)
+            o = linear(h, down[e], None if down_bias is None else down_bias[e], transposed)
+            if post_fn is not None:
+                o = post_fn(o.unsqueeze(0)).squeeze(0)
+            total = total + (1.0 if weights is None else weights[t, j]) * o
+        out_dim = down.shape[2] if transposed else down.shape[1]
+        rows.append(total if torch.is_tensor(total) else x.new_zeros(out_dim))
+    out_dim = down.shape[2] if transposed else down.shape[1]
+    return torch.stack(rows) if rows else x.new_zeros((0, out_dim))
+
+
+def make_case(tokens, hidden, inter, out_dim, experts, k, gated, transposed, bias, sentinels, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    up_out = 2 * inter if gated else inter
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+
+    x = rand(tokens, hidden)
+    scores = torch.rand(tokens, experts, generator=gen)
+    ids = scores.topk(min(k, experts), dim=1).indices if k <= experts else \
+        torch.randint(0, experts, (tokens, k), generator=gen)
+    if sentinels and tokens:
+        drop = torch.rand(ids.shape, generator=gen) < 0.3
+        ids = torch.where(drop, torch.where(torch.rand(ids.shape, generator=gen) < 0.5, -1, experts), ids)
+    weights = rand(tokens, ids.shape[1])
+    up = rand(experts, hidden, up_out, scale=hidden ** -0.5) if transposed else \
+        rand(experts, up_out, hidden, scale=hidden ** -0.5)
+    down = rand(experts, inter, out_dim, scale=inter ** -0.5) if transposed else \
+        rand(experts, out_dim, inter, scale=inter ** -0.5)
+    up_bias = rand(experts, up_out) if bias else None
+    down_bias = rand(experts, out_dim) if bias else None
+    return x, ids, weights, up, down, up_bias, down_bias
+
+
+def run_and_compare(case, transposed, gated, dtype, use_weights=True, post_fn=None, gate_name=True):
+    x, ids, weights, up, down, up_bias, down_bias = case
+    weights = weights if use_weights else None
+    kwargs = dict(up_bias=up_bias, down_bias=down_bias, transposed=transposed, post_fn=post_fn)
+    if gated:
+        kwargs.update(gate="swiglu") if gate_name else kwargs.update(
+            gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+    else:
+        kwargs.update(activation=torch.tanh)
+    y = routed_experts(x, ids, weights, up, down, **kwargs)
+    leaves = [t for t in (x, weights, up, down, up_bias, down_bias) if t is not None]
+    assert y.dtype == dtype and y.shape[0] == x.shape[0]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    mapping = dict(zip(map(id, leaves), ref_leaves))
+    pick = lambda t: None if t is None else mapping[id(t)]
+    ref = reference(pick(x), ids, pick(weights), pick(up), pick(down), pick(up_bias), pick(down_bias),
+                    transposed, gated, post_fn)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
+    grad = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    got = torch.autograd.grad(y, leaves, grad.to(dtype), allow_unused=True)
+    want = torch.autograd.grad(ref, ref_leaves, grad, allow_unused=True) if ref.requires_grad else [None] * len(leaves)
+    for g, w, leaf in zip(got, want, ref_leaves):
+        g = torch.zeros_like(leaf) if g is None else g.double()
+        w = torch.zeros_like(leaf) if w is None else w
+        torch.testing.assert_close(g, w, rtol=rtol * 4, atol=atol * 4 * max(1.0, float(w.abs().max()) if w.numel() else 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layouts_and_dtypes(dtype, transposed, gated, bias):
+    case = make_case(13, 16, 8, 16, 5, 2, gated, transposed, bias, False, dtype, seed=1)
+    run_and_compare(case, transposed, gated, dtype)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_every_k(k):
+    case = make_case(11, 8, 4, 8, 9, k, True, False, True, False, torch.float32, seed=k)
+    run_and_compare(case, False, True, torch.float32)
+
+
+@pytest.mark.parametrize("experts", [1, 2, 7, 64])
+def test_expert_counts_with_idle_experts(experts):
+    # 64 experts and 6 tokens at k=2: most experts get no token.
+    case = make_case(6, 16, 8, 16, experts, 2, True, True, True, False, torch.float32, seed=experts)
+    run_and_compare(case, True, True, torch.float32)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_odd_sizes_take_the_fallback(dtype, transposed):
+    case = make_case(7, 13, 5, 11, 6, 3, True, transposed, True, True, dtype, seed=3)
+    run_and_compare(case, transposed, True, dtype)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sentinel_ids_contribute_nothing(transposed, dtype):
+    case = make_case(17, 16, 8, 16, 6, 4, True, transposed, True, True, dtype, seed=5)
+    run_and_compare(case, transposed, True, dtype)
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_empty_and_single_token(tokens):
+    case = make_case(tokens, 16, 8, 16, 4, 2, True, False, True, False, torch.float32, seed=11)
+    run_and_compare(case, False, True, torch.float32)
+
+
+def test_every_choice_dropped():
+    x, ids, weights, up, down, ub, db = make_case(5, 16, 8, 16, 4, 2, True, False, True, False, torch.float32, 2)
+    ids = torch.full_like(ids, -1)
+    run_and_compare((x, ids, weights, up, down, ub, db), False, True, torch.float32)
+
+
+def test_no_weights_gate_fn_and_post_fn():
+    case = make_case(9, 16, 8, 16, 5, 3, True, False, False, False, torch.float64, seed=4)
+    norm = lambda o: o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
+    run_and_compare(case, False, True, torch.float64, use_weights=False, post_fn=norm, gate_name=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision(dtype):
+    case = make_case(19, 32, 16, 32, 6, 2, True, False, True, False, dtype, seed=6)
+    run_and_compare(case, False, True, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_low_precision_with_many_rows_per_expert(dtype, transposed):
+    # 70 tokens x 2 choices over 3 experts: enough rows per expert that a CPU without 16-bit dot
+    # products runs the GEMMs in float32 (tutel.ops.precision).
+    case = make_case(70, 32, 16, 32, 3, 2, True, transposed, True, False, dtype, seed=12)
+    run_and_compare(case, transposed, True, dtype)
+
+
+def test_gemm_dtype_rule():
+    from tutel.ops.precision import UPCAST_MIN_ROWS_PER_EXPERT, cpu_has_native, gemm_dtype
+    cpu = torch.device("cpu")
+    assert gemm_dtype(torch.float32, cpu, 1e6) == torch.float32
+    assert gemm_dtype(torch.float64, cpu, 1e6) == torch.float64
+    assert gemm_dtype(torch.bfloat16, cpu, UPCAST_MIN_ROWS_PER_EXPERT - 1) == torch.bfloat16
+    many = gemm_dtype(torch.bfloat16, cpu, UPCAST_MIN_ROWS_PER_EXPERT)
+    assert many == (torch.bfloat16 if cpu_has_native(torch.bfloat16) else torch.float32)
+
+
+def test_autocast_bfloat16_matches_bfloat16_operands():
+    x, ids, weights, up, down, _, _ = make_case(12, 32, 16, 32, 4, 2, True, False, False, False, torch.float32, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = routed_experts(x, ids, weights, up, down, gate="swiglu")
+    assert y.dtype == torch.float32
+    ref = reference(x.bfloat16().float(), ids, weights, up.bfloat16().float(), down.bfloat16().float(),
+                    None, None, False, True)
+    torch.testing.assert_close(y.double(), ref, rtol=4e-2, atol=4e-2)
+    y.sum().backward()
+    assert up.grad is not None and x.grad is not None and weights.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fullgraph_compile_matches_eager(dtype):
+    x, ids, weights, up, down, ub, db = make_case(10, 16, 8, 16, 4, 2, True, False, True, True, dtype, 9)
+    leaves = [x, weights, up, down, ub, db]
+
+    def step(x, ids, weights, up, down, ub, db):
+        return routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
+
+    eager = step(x, ids, *leaves[1:])
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(x, ids, *leaves[1:])
+    got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+    torch.testing.assert_close(got, eager)
+    for g, w in zip(got_grads, eager_grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_bad_arguments_name_what_is_wrong():
+    x, ids, weights, up, down, _, _ = make_case(4, 24, 8, 24, 3, 2, True, False, False, False, torch.float32, 1)
+    with pytest.raises(ValueError, match="expert_ids"):
+        routed_experts(x, ids[:3], weights, up, down, gate="swiglu")
+    with pytest.raises(TypeError, match="expert_ids"):
+        routed_experts(x, ids.float(), weights, up, down, gate="swiglu")
+    with pytest.raises(ValueError, match="weights"):
+        routed_experts(x, ids, weights[:, :1], up, down, gate="swiglu")
+    with pytest.raises(ValueError, match="gate"):
+        routed_experts(x, ids, weights, up, down, gate="geglu")
+    with pytest.raises(ValueError, match="gate"):
+        routed_experts(x, ids, weights, up, down)
+    with pytest.raises(ValueError, match="up_weight"):
+        routed_experts(x, ids, weights, up, down, gate="swiglu", transposed=True)
+    with pytest.raises(ValueError, match="up_bias"):
+        routed_experts(x, ids, weights, up, down, gate="swiglu", up_bias=torch.zeros(3, 5))

@@ -1,0 +1,200 @@
+"""Routed experts: every token through its k chosen experts, in one call, without a capacity.
+
+``routed_experts(x, expert_ids, weights, up_weight, down_weight, ...)`` computes, for every
+token t of ``x`` [T, H],
+
+    y[t] = sum_j  weights[t, j] * post_fn( down_e( gate( up_e(x[t]) ) ) ),   e = expert_ids[t, j]
+
+where ``up_e(v) = v @ up_weight[e]^T + up_bias[e]`` (``F.linear`` layout; ``transposed=True``
+means ``v @ up_weight[e]``) and the same for ``down_e``.  Choices whose id lies outside
+[0, E) contribute nothing (expert-parallel callers mark the tokens other processes own so).
+
+How the caller names the activation
+-----------------------------------
+* ``gate="swiglu"``: the up projection holds the gate and up halves one after the other
+  ([n, 2I] = [gate | up]) and the expert computes ``silu(gate) * up``.  This is the rule of
+  LLaMA, Mixtral, Qwen-MoE, DeepSeek and the default ``_apply_gate`` of transformers' experts
+  with ``act_fn = silu``.  Naming it lets the implementation fuse it; a caller that is not sure
+  the rule applies passes ``gate_fn`` instead.
+* ``gate_fn``: any callable [n, U] -> [n, I] (e.g. a transformers experts module's bound
+  ``_apply_gate``, gpt-oss' clamped interleaved variant).  Called on the up projection as is.
+* ``activation``: an elementwise callable (``F.gelu``, a module's ``act_fn``) for experts
+  without a gate (U = I).
+
+Give ``gate`` (optionally together with the ``gate_fn`` it names, which is then not called),
+or exactly one of ``gate_fn`` and ``activation``.  The function is differentiable in x, weights, both weight
+tensors and the biases, and traceable by ``torch.compile(fullgraph=True)`` (the grouped products
+are one opaque operator, ``tutel.ops.grouped_mm.grouped_rows_mm``).  On its default path
+(float32 / bfloat16 / float16 with 16-byte aligned rows, where ``torch.nn.functional.grouped_mm``
+has a kernel) nothing is read back to the host; float64 and odd feature sizes run tutel's own
+grouped operator, which reads the per-expert row counts.
+"""
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..impls.autocast import autocast_dtype
+from ..ops._checks import require_dim, require_floating, require_tensor
+from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.precision import gemm_dtype
+
+SWIGLU = "swiglu"
+GATES = (SWIGLU,)
+
+
+class RoutingPlan(NamedTuple):
+    """The chosen (token, expert) pairs sorted by expert: slot i of the grouped rows holds
+    pair ``order[i]``; ``locations`` [k, T] gives each pair's slot (N = dropped)."""
+    indices: torch.Tensor  # [k, T] zeros: the grouped rows form one "expert" for encode / decode
+    locations: torch.Tensor  # [k, T] int32 slot of each choice, N for ids outside [0, E)
+    sorted_ids: torch.Tensor  # [N] expert of each slot (E for the dropped ones, which sort last)
+    counts: torch.Tensor  # [E] int64 rows per expert
+    offsets: torch.Tensor  # [E] int32 end of each expert's rows
+
+
+def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+    """Sorts the T*k choices by expert, with tensor operations only (no host synchronisation)."""
+    tokens, k = expert_ids.shape
+    ids = expert_ids.reshape(-1).long()
+    total = ids.numel()
+    valid = (ids >= 0) & (ids < num_experts)
+    key = torch.where(valid, ids, torch.full_like(ids, num_experts))
+    sorted_ids, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add(0, key, torch.ones_like(key))[:num_experts]
+    slot = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=ids.device))
+    slot = torch.where(valid, slot, torch.full_like(slot, total))
+    locations = slot.view(tokens, k).t().to(torch.int32).contiguous()
+    return RoutingPlan(torch.zeros_like(locations), locations, sorted_ids, counts,
+                       counts.cumsum(0).to(torch.int32))
+
+
+def _grouped_rows_matmul(rows: torch.Tensor, weight: torch.Tensor, transposed: bool, plan: RoutingPlan) -> torch.Tensor:
+    """[N, K] rows grouped by expert times their expert's matrix -> [N, O] (zero past the kept rows)."""
+    return grouped_rows_mm(rows, weight, plan.offsets, transposed)
+
+
+def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan) -> torch.Tensor:
+    if bias is None:
+        return out
+    num_experts = bias.shape[0]
+    rows = bias.index_select(0, plan.sorted_ids.clamp(max=num_experts - 1))
+    # The dropped rows (sorted last) must send no gradient into the last expert's bias.
+    rows = torch.where((plan.sorted_ids < num_experts).unsqueeze(1), rows, torch.zeros_like(rows))
+    return out + rows.to(out.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [n, 2I] = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn,
+           activation) -> None:
+    where = "tutel.experts.routed_experts"
+    require_floating(x, "x", where)
+    require_dim(x, 2, "x", where)
+    require_tensor(expert_ids, "expert_ids", where)
+    require_dim(expert_ids, 2, "expert_ids", where)
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: `expert_ids` must hold integers, got {expert_ids.dtype}")
+    if expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: `expert_ids` must be [T, k] with T = {x.shape[0]} tokens of `x`, "
+                         f"got {tuple(expert_ids.shape)}")
+    if weights is not None:
+        require_floating(weights, "weights", where)
+        if weights.shape != expert_ids.shape:
+            raise ValueError(f"{where}: `weights` must have the shape of `expert_ids` {tuple(expert_ids.shape)}, "
+                             f"got {tuple(weights.shape)}")
+    for name, weight in (("up_weight", up_weight), ("down_weight", down_weight)):
+        require_floating(weight, name, where)
+        require_dim(weight, 3, name, where)
+    num_experts = up_weight.shape[0]
+    if down_weight.shape[0] != num_experts:
+        raise ValueError(f"{where}: `up_weight` holds {num_experts} experts but `down_weight` {down_weight.shape[0]}")
+    up_in, up_out = (up_weight.shape[1], up_weight.shape[2]) if transposed else (up_weight.shape[2], up_weight.shape[1])
+    down_in, down_out = (down_weight.shape[1], down_weight.shape[2]) if transposed \
+        else (down_weight.shape[2], down_weight.shape[1])
+    layout = "[E, H, U]" if transposed else "[E, U, H]"
+    if up_in != x.shape[1]:
+        raise ValueError(f"{where}: `up_weight` {tuple(up_weight.shape)} must be {layout} with H = {x.shape[1]} "
+                         f"(transposed={transposed})")
+    given = [name for name, value in (("gate_fn", gate_fn), ("activation", activation)) if value is not None]
+    if len(given) > 1 or (gate is None and not given) or (gate is not None and activation is not None):
+        raise ValueError(f"{where}: give `gate` ({'/'.join(GATES)}, optionally with the equivalent `gate_fn`), "
+                         f"or exactly one of `gate_fn` and `activation`; got "
+                         f"{(['gate'] if gate is not None else []) + given or 'none'}")
+    if gate is not None and gate not in GATES:
+        raise ValueError(f"{where}: `gate` must be one of {GATES}, got {gate!r}")
+    if gate is not None and (up_out % 2 or up_out // 2 != down_in):
+        raise ValueError(f"{where}: with gate={gate!r} the up projection's {up_out} outputs must be twice the "
+                         f"down projection's {down_in} inputs")
+    if activation is not None and up_out != down_in:
+        raise ValueError(f"{where}: with an activation (no gate) the up projection's {up_out} outputs must equal "
+                         f"the down projection's {down_in} inputs")
+    for name, bias, size in (("up_bias", up_bias, up_out), ("down_bias", down_bias, down_out)):
+        if bias is not None:
+            require_floating(bias, name, where)
+            if tuple(bias.shape) != (num_experts, size):
+                raise ValueError(f"{where}: `{name}` must be [E, {size}] = [{num_experts}, {size}], "
+                                 f"got {tuple(bias.shape)}")
+
+
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                   up_weight: torch.Tensor, down_weight: torch.Tensor, *,
+                   up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
+                   transposed: bool = False, gate: Optional[str] = None,
+                   gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """The gate-weighted sum of each token's routed experts (see the module docstring).
+
+    Args:
+        x: [T, H] tokens.
+        expert_ids: [T, k] integer expert ids; ids outside [0, E) contribute nothing.
+        weights: [T, k] routing weight of each choice; None means 1.
+        up_weight: [E, U, H] (``transposed=False``, ``F.linear`` layout) or [E, H, U];
+            U = 2 I for gated experts, I otherwise.
+        down_weight: [E, O, I] or [E, I, O].
+        up_bias, down_bias: optional [E, U] and [E, O].
+        transposed: the weights' layout, as above.
+        gate: ``"swiglu"`` for silu(gate) * up on concatenated halves (may be fused).
+        gate_fn: callable [n, U] -> [n, I] on the up projection (any other gate).
+        activation: elementwise callable for experts without a gate.
+        post_fn: optional row-wise callable on the [n, O] expert outputs before weighting.
+
+    Returns:
+        [T, O] in x's dtype.
+    """
+    _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation)
+    out_dtype = x.dtype
+    compute = autocast_dtype(x.device.type)
+    if compute is not None:  # grouped_mm is not autocast-aware: cast as autocast does for mm
+        x, up_weight, down_weight = (t if t.dtype in (compute, torch.float64) else t.to(compute)
+                                     for t in (x, up_weight, down_weight))
+    elif up_weight.dtype != x.dtype:
+        x = x.to(up_weight.dtype)
+    wide = gemm_dtype(up_weight.dtype, x.device, expert_ids.numel() / up_weight.shape[0])
+    if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
+        x, up_weight, down_weight = x.to(wide), up_weight.to(wide), down_weight.to(wide)
+    plan = plan_routing(expert_ids, up_weight.shape[0])
+    total = plan.locations.numel()
+    rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
+    hidden = _add_bias(_grouped_rows_matmul(rows, up_weight, transposed, plan), up_bias, plan)
+    if gate == SWIGLU:
+        hidden = swiglu(hidden)
+    elif gate_fn is not None:
+        hidden = gate_fn(hidden)
+    else:
+        hidden = activation(hidden)
+    if hidden.dtype != down_weight.dtype:
+        hidden = hidden.to(down_weight.dtype)
+    out = _add_bias(_grouped_rows_matmul(hidden, down_weight, transposed, plan), down_bias, plan)
+    if post_fn is not None:
+        out = post_fn(out)
+    gates = None if weights is None else weights.t()
+    y = ops.decode(out.reshape(1, total, out.shape[-1]), plan.indices, plan.locations, gates=gates)
+    return y.to(out_dtype)

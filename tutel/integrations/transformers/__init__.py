@@ -1,0 +1,27 @@
+"""Hugging Face transformers' MoE models with their experts run by tutel.
+
+Importing this package registers the experts implementation "tutel" in transformers'
+``ExpertsInterface``::
+
+    import tutel.integrations.transformers  # registers "tutel"
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="tutel")
+    # or, on a model already built:
+    model.set_experts_implementation("tutel")
+
+Every experts class declared with ``@use_experts_implementation(...)`` (Mixtral, Qwen2/3-MoE,
+DeepSeek-V2/V3, gpt-oss, OLMoE, GLM-4.5, PhiMoE and the other families of transformers 5.x) then
+runs its experts through ``tutel.experts.routed_experts``: the routing metadata, the dispatch
+into expert-sorted rows, the grouped expert GEMMs and the weighted combine, forward and backward,
+traceable by ``torch.compile(fullgraph=True)``.  The model's router, shared experts and every
+other layer are unchanged.  ``enable(model)`` checks every experts module first and raises
+``UnsupportedExpertsLayout`` (naming the module class and the flag) for a layout tutel cannot
+run; otherwise the same error comes at the module's first call.
+"""
+from .forward import tutel_experts_forward
+from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout
+from .registration import NAME, check_model, enable, experts_modules, register
+
+register()
+
+__all__ = ["NAME", "ExpertsLayout", "UnsupportedExpertsLayout", "check_model", "enable", "experts_modules",
+           "read_layout", "register", "tutel_experts_forward"]

@@ -1,0 +1,154 @@
+"""Grouped matrix product over rows sorted by expert, with the group ends as a tensor.
+
+``grouped_rows_mm(rows, weight, offsets, transposed)``: rows [N, K] hold expert 0's rows, then
+expert 1's, ...; expert e owns rows ``offsets[e-1]:offsets[e]``.  Row i of the result is
+``rows[i] @ W_e^T`` (weight [E, O, K], ``F.linear`` layout) or ``rows[i] @ W_e`` (weight
+[E, K, O], ``transposed=True``).  Rows past ``offsets[-1]`` belong to no expert: their result
+rows and gradient rows are zero.
+
+Unlike ``expert_linear(group_rows=...)`` the group sizes stay on the device, so callers trace
+under ``torch.compile(fullgraph=True)`` without a graph break: the operator is opaque to the
+tracer.  It runs ``torch.nn.functional.grouped_mm`` where PyTorch has a kernel for the operands
+(float32 / bfloat16 / float16 on CPU, bfloat16 on CUDA sm80+, 16-byte aligned strides), else
+tutel's compiled grouped operator (float64, odd sizes), which reads the group sizes on the host.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (1 in t.stride()[-2:] and all(stride == 1 or stride * size % 16 == 0 for stride in t.stride())
+            and t.data_ptr() % 16 == 0)
+
+
+def grouped_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch.nn.functional.grouped_mm has a kernel for operands `a` and `b` here."""
+    if not hasattr(F, "grouped_mm") or a.dtype != b.dtype:
+        return False
+    if a.device.type == "cpu":
+        ok = a.dtype in _CPU_DTYPES
+    elif a.device.type == "cuda":
+        ok = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+    else:
+        ok = False
+    return ok and _aligned(a) and _aligned(b)
+
+
+def _right(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return weight if transposed else weight.transpose(-1, -2)  # [E, K, O]
+
+
+def _counts(offsets: torch.Tensor) -> List[int]:
+    ends = offsets.tolist()
+    return [end - start for start, end in zip([0] + ends[:-1], ends)]
+
+
+def _zero_tail(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Zeroes the rows past the last group, which grouped_mm leaves unwritten."""
+    if t.device.type == "cpu":  # reading the end is free on the host
+        t[int(offsets[-1]):] = 0
+        return t
+    rows = torch.arange(t.shape[0], device=t.device).unsqueeze(1)
+    return t.masked_fill_(rows >= offsets[-1], 0)
+
+
+def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    right = _right(weight, transposed)
+    if rows.shape[0] and grouped_mm_supports(rows, right):
+        return _zero_tail(F.grouped_mm(rows, right, offs=offsets), offsets)
+    counts = _counts(offsets)
+    kept = sum(counts)
+    out = rows.new_zeros((rows.shape[0], right.shape[-1]))
+    if kept:
+        if rows.device.type == "cpu":
+            out[:kept] = torch.ops.tutel.grouped_linear(rows[:kept].contiguous(), weight, None, counts, not transposed)
+        else:
+            out[:kept] = grouped_linear_loop(rows[:kept], weight, None, counts, not transposed)
+    return out
+
+
+def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
+              need_rows: bool, need_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    grad = grad.contiguous()
+    right = _right(weight, transposed)
+    if rows.shape[0] and grouped_mm_supports(grad, right) and grouped_mm_supports(rows, right):
+        grad_rows = F.grouped_mm(grad, right.transpose(-1, -2), offs=offsets) if need_rows else None
+        grad_weight = None
+        if need_weight:
+            # 2-D x 2-D grouped product: one [K, O] (or [O, K]) block per expert, zero for idle ones.
+            grad_weight = F.grouped_mm(rows.t(), grad, offs=offsets) if transposed \
+                else F.grouped_mm(grad.t(), rows, offs=offsets)
+        return None if grad_rows is None else _zero_tail(grad_rows, offsets), grad_weight
+    counts = _counts(offsets)
+    kept = sum(counts)
+    grad_rows = torch.zeros_like(rows) if need_rows else None
+    if rows.device.type == "cpu":
+        mask = [need_rows, need_weight, False]
+        grads = torch.ops.tutel.grouped_linear_backward(grad[:kept], rows[:kept].contiguous(), weight, counts,
+                                                        not transposed, mask)
+    else:
+        grads = grouped_linear_backward_loop(grad[:kept], rows[:kept], weight, counts, not transposed,
+                                             [need_rows, need_weight, False])
+    if need_rows:
+        grad_rows[:kept] = grads[0]
+    return grad_rows, (grads[1] if need_weight else None)
+
+
+@torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())
+def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return _forward(rows, weight, offsets, transposed)
+
+
+@_grouped_rows_mm.register_fake
+def _grouped_rows_mm_fake(rows, weight, offsets, transposed):
+    return rows.new_empty((rows.shape[0], weight.shape[2] if transposed else weight.shape[1]))
+
+
+@torch.library.custom_op("tutel::grouped_rows_mm_backward", mutates_args=())
+def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                              transposed: bool, need_rows: bool, need_weight: bool) -> List[torch.Tensor]:
+    grad_rows, grad_weight = _backward(grad, rows, weight, offsets, transposed, need_rows, need_weight)
+    return [rows.new_empty((0,)) if grad_rows is None else grad_rows,
+            weight.new_empty((0,)) if grad_weight is None else grad_weight]
+
+
+@_grouped_rows_mm_backward.register_fake
+def _grouped_rows_mm_backward_fake(grad, rows, weight, offsets, transposed, need_rows, need_weight):
+    return [rows.new_empty(rows.shape if need_rows else (0,)), weight.new_empty(weight.shape if need_weight else (0,))]
+
+
+def _setup_context(ctx, inputs, output):
+    rows, weight, offsets, transposed = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+    ctx.transposed = transposed
+
+
+def _autograd_backward(ctx, grad):
+    rows, weight, offsets = ctx.saved_tensors
+    need_rows, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_rows, grad_weight = torch.ops.tutel.grouped_rows_mm_backward(grad, rows, weight, offsets, ctx.transposed,
+                                                                      need_rows, need_weight)
+    return (grad_rows if need_rows else None, grad_weight if need_weight else None, None, None)
+
+
+_grouped_rows_mm.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                    transposed: bool = False) -> torch.Tensor:
+    """[N, K] rows sorted by expert times their expert's matrix -> [N, O] (see the module docstring).
+
+    Args:
+        rows: [N, K] in the weight's dtype.
+        weight: [E, O, K] (``F.linear`` layout), or [E, K, O] with ``transposed=True``.
+        offsets: [E] int32, offsets[e] = end of expert e's rows (non-decreasing, <= N).
+        transposed: the weight's layout.
+    """
+    return _grouped_rows_mm(rows, weight, offsets.to(torch.int32), bool(transposed))

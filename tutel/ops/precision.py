@@ -1,0 +1,40 @@
+"""Which dtype the expert GEMMs of 16-bit data run in on this CPU.
+
+On a CPU without native bfloat16 / float16 dot products (no AVX512-BF16 / AMX / AVX512-FP16,
+which oneDNN reports), PyTorch's 16-bit GEMMs convert inside the kernel and run several times
+slower than float32 ones (measured in benchmarks/transformers_moe.py and docs/design.md).  Once
+every expert multiplies enough rows, converting the operands to float32, multiplying in float32
+and rounding the product back is faster; for a few rows per expert (decoding) the GEMMs read
+the weights once and converting them would cost more than it saves.  The product differs from
+the 16-bit GEMM's only by its rounding: both accumulate in float32.
+"""
+import torch
+
+# Rows per expert from which float32 GEMMs (plus converting the weights) beat 16-bit ones on a
+# CPU without native 16-bit dot products (measured: 16 rows lose, 256 rows win by 4x).
+UPCAST_MIN_ROWS_PER_EXPERT = 32
+
+
+def _probe(name: str) -> bool:
+    try:
+        return bool(getattr(torch.ops.mkldnn, name)())
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: keep PyTorch's own choice
+
+
+# Read once at import, so that torch.compile traces a constant.
+_NATIVE = {torch.bfloat16: _probe("_is_mkldnn_bf16_supported"), torch.float16: _probe("_is_mkldnn_fp16_supported")}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs `dtype` (bfloat16 / float16) GEMMs natively on this CPU."""
+    return _NATIVE.get(dtype, True)
+
+
+def gemm_dtype(dtype: torch.dtype, device: torch.device, rows_per_expert: float) -> torch.dtype:
+    """The dtype to run expert GEMMs of `dtype` operands in, for about `rows_per_expert` rows each."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    if rows_per_expert < UPCAST_MIN_ROWS_PER_EXPERT or cpu_has_native(dtype):
+        return dtype
+    return torch.float32
