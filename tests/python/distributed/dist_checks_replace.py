@@ -1,0 +1,107 @@
+"""replace_moe_blocks with expert parallelism over the launch's processes (gloo).
+
+Every rank builds the same tiny float64 model of each family, keeps an untouched copy, replaces
+the MoE blocks (each rank keeping its half of the experts) and runs its own tokens.  On every rank
+the logits, the gradients of the parameters outside the MoE blocks and the greedy generation equal
+the original model's on that rank's tokens (one process, all experts), and each rank's expert
+gradients equal the original's summed over the ranks (an expert serves every rank's tokens).
+A block whose experts the processes cannot split is named.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integrations"))
+
+import replace_models as rm  # noqa: E402
+from dist_checks import CheckList, close, expect_error, rank, world  # noqa: E402
+from dist_harness import init_gloo  # noqa: E402
+from tutel.integrations.transformers import replace_moe_blocks  # noqa: E402
+from tutel.integrations.transformers.block_layouts import UnsupportedMoeBlock  # noqa: E402
+
+checks = CheckList()
+TOL = 1e-10
+# Expert counts two processes can split: 6 or 8 experts in every family.
+SPLITTABLE = {"mixtral": dict(num_local_experts=6), "qwen2_moe": {}, "qwen3_moe": dict(num_experts=8), "olmoe": {},
+              "deepseek_v3": {}, "glm4_moe": {}, "gpt_oss": dict(num_local_experts=6), "llama4": {}}
+
+
+def expected_expert_grads(original, name):
+    """The original block's expert gradients summed over the ranks, this rank's experts only."""
+    experts = original.get_submodule(name).experts
+    result = {}
+    for attribute in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        param = getattr(experts, attribute, None)
+        if param is None:
+            continue
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        local = grad.shape[0] // world()
+        result[attribute] = grad[rank() * local:(rank() + 1) * local]
+    return result
+
+
+def check_expert_grads(layer, expected, family, name):
+    experts = layer.experts
+    if family == "gpt_oss":  # clamped_swiglu keeps transformers' names and layout
+        for attribute, grad in expected.items():
+            close(getattr(experts, attribute).grad, grad, f"{family} {name} {attribute} grad", TOL)
+        return
+    inner = experts.hidden_size_per_expert
+    up, down = expected["gate_up_proj"], expected["down_proj"]
+    if family == "llama4":  # [L, M, 2I] and [L, I, M]
+        wanted = (up[..., :inner], up[..., inner:], down)
+    else:  # [L, 2I, M] and [L, M, I]
+        wanted = (up[:, :inner].transpose(1, 2), up[:, inner:].transpose(1, 2), down.transpose(1, 2))
+    for attribute, grad in zip(("W_fc1", "W_fc2", "W_fc3"), wanted):
+        close(getattr(experts, attribute).grad, grad.reshape(-1), f"{family} {name} {attribute} grad", TOL)
+
+
+def check_family(family):
+    model = rm.build(family, **SPLITTABLE[family])
+    original = rm.build(family, **SPLITTABLE[family])
+    blocks = rm.block_names(model)
+    assert replace_moe_blocks(model) == len(blocks)
+    for name in blocks:
+        layer = model.get_submodule(name)
+        assert layer.world_size == world() and layer.num_local_experts * world() == layer.num_global_experts
+
+    ids = rm.tokens(100 + rank())  # every rank its own tokens
+    expected, expected_grads = rm.logits_and_grads(original, ids, blocks)
+    logits, grads = rm.logits_and_grads(model, ids, blocks)
+    close(logits, expected, f"{family} logits", TOL)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        close(grad, expected_grads[name], f"{family} {name} grad", TOL)
+    for name in blocks:
+        check_expert_grads(model.get_submodule(name), expected_expert_grads(original, name), family, name)
+    assert torch.equal(rm.greedy(model, ids), rm.greedy(original, ids)), f"{family}: generation differs"
+
+
+def _family_check(family):
+    def check():
+        check_family(family)
+    check.__name__ = f"expert_parallel_{family}_equals_one_process"
+    return check
+
+
+for _family in rm.FAMILIES:
+    checks.add(_family_check(_family))
+
+
+@checks.add
+def experts_that_do_not_split_are_named():
+    model = rm.build("mixtral", num_local_experts=5)
+    expect_error(UnsupportedMoeBlock, ["'model.layers.0.mlp'", "num_experts=5", f"{world()} processes"],
+                 replace_moe_blocks, model)
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+
+
+def run_all():
+    """Joins the process group (gloo) and runs every check."""
+    init_gloo()
+    from dist_checks import run
+    run([checks])
