@@ -47,6 +47,10 @@ RULES = [
      "tests/python/test_examples.py::test_from_scratch_and_amp_examples"),
     (r"^python3 -m torch\.distributed\.run --nproc_per_node=2 -m tutel\.examples\.helloworld ", "COVERED",
      "tests/python/distributed/test_dist_layer_examples.py::test_data_parallel_variants_train_identically"),
+    (r"^python -m tutel\.examples\.transformers_replace_ep$", "COVERED",
+     "tests/python/distributed/test_dist_replace_example.py::test_trains_on_one_process"),
+    (r"^python -m torch\.distributed\.run --nproc_per_node=2 -m tutel\.examples\.transformers_replace_ep$", "COVERED",
+     "tests/python/distributed/test_dist_replace_example.py::test_trains_with_expert_parallel_under_torchrun"),
     (r"^mpiexec .*-m tutel\.launcher\.run ", "COVERED",
      "tests/python/distributed/test_dist_launcher.py::test_mpiexec_launcher_starts_torchrun_on_every_host"),
     (r"^mpiexec -n 2 python3 -m tutel\.examples", "COVERED",
@@ -71,6 +75,8 @@ RULES = [
 PYTHON_RULES = [
     ("from tutel import moe\n\nlayer = moe.moe_layer(", "RUN", "test_python_examples_run"),
     ("checkpoint.load_resharded(model,", "RUN", "test_checkpoint_page_runs_as_written"),
+    ("assert replace_moe_blocks(model) == 2", "COVERED",
+     "tests/python/integrations/test_replace_moe_blocks.py::test_documented_example_runs"),
     ("from deepspeed.moe.layer import MoE", "COVERED",
      "tests/integration/deepspeed/test_deepspeed_doc_example.py::test_documented_example_runs"),
 ]

@@ -168,3 +168,15 @@ def test_mixtral_router_jitter_is_refused():
     model.model.layers[0].mlp.jitter_noise = 0.1
     with pytest.raises(UnsupportedMoeBlock, match="'model.layers.0.mlp'.*router_jitter_noise=0.1"):
         replace_moe_blocks(model)
+
+
+def test_documented_example_runs():
+    import os
+    import re
+    page = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "integrations", "replace-moe-blocks.md")
+    with open(page) as handle:
+        (body,) = [b for b in re.findall(r"^```python\n(.*?)^```", handle.read(), flags=re.S | re.M)
+                   if "replace_moe_blocks(model) == 2" in b]
+    namespace = {}
+    exec(compile(body, page, "exec"), namespace)
+    assert namespace["y"].shape == (2, 10, 32) and isinstance(namespace["layer"], MOELayer)
