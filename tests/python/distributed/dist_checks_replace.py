@@ -29,35 +29,13 @@ SPLITTABLE = {"mixtral": dict(num_local_experts=6), "qwen2_moe": {}, "qwen3_moe"
               "deepseek_v3": {}, "glm4_moe": {}, "gpt_oss": dict(num_local_experts=6), "llama4": {}}
 
 
-def expected_expert_grads(original, name):
-    """The original block's expert gradients summed over the ranks, this rank's experts only."""
+def check_expert_grads(original, layer, family, name):
+    """Each rank's expert gradients equal the original's summed over the ranks (its experts only)."""
     experts = original.get_submodule(name).experts
-    result = {}
-    for attribute in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-        param = getattr(experts, attribute, None)
-        if param is None:
-            continue
-        grad = param.grad.clone()
-        dist.all_reduce(grad)
-        local = grad.shape[0] // world()
-        result[attribute] = grad[rank() * local:(rank() + 1) * local]
-    return result
-
-
-def check_expert_grads(layer, expected, family, name):
-    experts = layer.experts
-    if family == "gpt_oss":  # clamped_swiglu keeps transformers' names and layout
-        for attribute, grad in expected.items():
-            close(getattr(experts, attribute).grad, grad, f"{family} {name} {attribute} grad", TOL)
-        return
-    inner = experts.hidden_size_per_expert
-    up, down = expected["gate_up_proj"], expected["down_proj"]
-    if family == "llama4":  # [L, M, 2I] and [L, I, M]
-        wanted = (up[..., :inner], up[..., inner:], down)
-    else:  # [L, 2I, M] and [L, M, I]
-        wanted = (up[:, :inner].transpose(1, 2), up[:, inner:].transpose(1, 2), down.transpose(1, 2))
-    for attribute, grad in zip(("W_fc1", "W_fc2", "W_fc3"), wanted):
-        close(getattr(experts, attribute).grad, grad.reshape(-1), f"{family} {name} {attribute} grad", TOL)
+    for param in experts.parameters():
+        dist.all_reduce(param.grad)
+    for attribute, grad in rm.expert_grads_as_layer(experts, family, rank(), world()).items():
+        close(getattr(layer.experts, attribute).grad, grad, f"{family} {name} {attribute} grad", TOL)
 
 
 def check_family(family):
@@ -77,7 +55,7 @@ def check_family(family):
     for name, grad in grads.items():
         close(grad, expected_grads[name], f"{family} {name} grad", TOL)
     for name in blocks:
-        check_expert_grads(model.get_submodule(name), expected_expert_grads(original, name), family, name)
+        check_expert_grads(original, model.get_submodule(name), family, name)
     assert torch.equal(rm.greedy(model, ids), rm.greedy(original, ids)), f"{family}: generation differs"
 
 

@@ -67,3 +67,23 @@ def original_and_copy(family: str, seed: int = 0) -> Tuple[torch.nn.Module, torc
     """(model to replace, untouched deep copy, names of its MoE blocks)."""
     model = build(family, seed)
     return model, copy.deepcopy(model), block_names(model)
+
+
+def expert_grads_as_layer(experts: torch.nn.Module, family: str, rank: int = 0, world: int = 1) -> Dict[str, torch.Tensor]:
+    """A transformers experts module's gradients (experts rank*E/world .. of them) in the layout of
+    the tutel experts that replace it: clamped_swiglu keeps gpt-oss's names and layout; llama_ffn
+    stores flat W_fc1 / W_fc2 [L, M, I] and W_fc3 [L, I, M]."""
+    def local(grad):
+        count = grad.shape[0] // world
+        return grad[rank * count:(rank + 1) * count]
+    if family == "gpt_oss":
+        return {name: local(getattr(experts, name).grad) for name in
+                ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    up, down = local(experts.gate_up_proj.grad), local(experts.down_proj.grad)
+    if family == "llama4":  # [L, M, 2I] and [L, I, M]
+        inner = down.shape[1]
+        wanted = (up[..., :inner], up[..., inner:], down)
+    else:  # [L, 2I, M] and [L, M, I]
+        inner = down.shape[2]
+        wanted = (up[:, :inner].transpose(1, 2), up[:, inner:].transpose(1, 2), down.transpose(1, 2))
+    return {name: grad.reshape(-1) for name, grad in zip(("W_fc1", "W_fc2", "W_fc3"), wanted)}

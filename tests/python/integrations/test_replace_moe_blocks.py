@@ -22,6 +22,7 @@ BLOCK_CLASSES = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSpars
 def test_replaced_model_equals_the_original(family):
     model, original, blocks = rm.original_and_copy(family)
     assert blocks and all(type(model.get_submodule(n)).__name__ == BLOCK_CLASSES[family] for n in blocks)
+    experts = {name: model.get_submodule(name).experts for name in blocks}
     assert replace_moe_blocks(model) == len(blocks)
     assert all(isinstance(model.get_submodule(name), MOELayer) for name in blocks)
     assert not any(type(m).__name__ == BLOCK_CLASSES[family] for m in model.modules())
@@ -33,8 +34,30 @@ def test_replaced_model_equals_the_original(family):
     assert grads.keys() == expected_grads.keys() and len(grads) > 5
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=lambda m: f"{family} {name}: {m}")
+    for name in blocks:  # the routed experts' gradients, in the layer's layout
+        expected_experts = rm.expert_grads_as_layer(original.get_submodule(name).experts, family)
+        for attribute, grad in expected_experts.items():
+            torch.testing.assert_close(getattr(model.get_submodule(name).experts, attribute).grad, grad, **TOL)
+    assert all(p.grad is None for e in experts.values() for p in e.parameters() if family != "gpt_oss")
     assert torch.equal(rm.greedy(model, ids), rm.greedy(original, ids))
     assert moe_aux_loss(model) is not None  # every layer set l_aux in the last forward
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_output_router_logits_still_records_the_logits(family):
+    model, original, blocks = rm.original_and_copy(family)
+    ids = rm.tokens(2)
+    model(ids, output_router_logits=True)  # transformers' hooks already installed before the replacement
+    replace_moe_blocks(model)
+    expected = original(ids, labels=ids, output_router_logits=True)
+    got = model(ids, labels=ids, output_router_logits=True)
+    assert len(got.router_logits) == len(expected.router_logits) == len(blocks)
+    # Mixtral's router logits are model-dtype; the replacement records them in float32
+    tol = TOL if family == "gpt_oss" else dict(rtol=1e-6, atol=1e-6)
+    for logits, wanted in zip(got.router_logits, expected.router_logits):
+        torch.testing.assert_close(logits.double(), wanted.double(), **tol)
+    if expected.aux_loss is not None:
+        torch.testing.assert_close(got.aux_loss.double(), expected.aux_loss.double(), **tol)
 
 
 def test_weights_are_shared_where_the_layouts_agree():

@@ -181,7 +181,30 @@ def replace_moe_blocks(model: torch.nn.Module, group=None, **switches) -> int:
     layers = [(name, _build_layer(name, layout, group, call_defaults, gate_overrides)) for name, layout in layouts]
     for name, layer in layers:
         _set_module(model, name, layer)
+    _keep_router_logits_recordable(model, [layer for _, layer in layers])
     return len(layers)
+
+
+def _records_router_logits(model: torch.nn.Module) -> bool:
+    """Whether a (sub)model of `model` records router logits (``output_router_logits=True``)."""
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    return any("router_logits" in (_CAN_RECORD_REGISTRY.get(m) or getattr(type(m), "_can_record_outputs", None) or {})
+               for m in model.modules() if hasattr(type(m), "_can_record_outputs"))
+
+
+def _keep_router_logits_recordable(model: torch.nn.Module, layers: List[ReplacedMoeBlock]) -> None:
+    """transformers records router logits with forward hooks on its router classes, which the
+    replacement removed; the same hook on the new routers (whose output is the logits [T, E])
+    keeps ``output_router_logits=True`` and the model's own balance loss working."""
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+        if not _records_router_logits(model):
+            return
+    except ImportError:  # another transformers version: router logits are not recorded
+        return
+    for layer in layers:
+        for gate in layer.gates:
+            install_output_capuring_hook(gate, "router_logits", 0)
 
 
 def moe_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:
