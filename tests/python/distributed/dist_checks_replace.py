@@ -5,9 +5,11 @@ the MoE blocks (each rank keeping its half of the experts) and runs its own toke
 the logits, the gradients of the parameters outside the MoE blocks and the greedy generation equal
 the original model's on that rank's tokens (one process, all experts), and each rank's expert
 gradients equal the original's summed over the ranks (an expert serves every rank's tokens).
+The ranks' checkpoint files load into a one-process model with tutel.checkpoint.load_resharded.
 A block whose experts the processes cannot split is named.
 """
 import os
+import shutil
 import sys
 
 import torch
@@ -68,6 +70,39 @@ def _family_check(family):
 
 for _family in rm.FAMILIES:
     checks.add(_family_check(_family))
+
+
+@checks.add
+def expert_parallel_checkpoint_loads_on_one_process():
+    """After a training step with the experts split, each rank saves its state_dict; a model built
+    with another initialisation and replaced on a one-process group loads the two files with
+    tutel.checkpoint.load_resharded and computes what the expert-parallel model computes."""
+    import tempfile
+    from tutel import checkpoint
+    from tutel.examples.transformers_replace_ep import average_gradients
+    family = "deepseek_v3"
+    model = rm.build(family)
+    replace_moe_blocks(model)
+    ids = rm.tokens(200 + rank())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, labels=ids).loss.backward()
+    average_gradients(model, world())  # replicated parameters stay equal on every rank
+    optimizer.step()
+    expected = model(ids).logits.detach()
+    folder = [tempfile.mkdtemp() if rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    pattern = os.path.join(folder[0], "model-{rank}-of-{size}.pt")
+    torch.save(model.state_dict(), pattern.format(rank=rank(), size=world()))
+    dist.barrier()
+    alone = [dist.new_group([r]) for r in range(world())][rank()]
+    single = rm.build(family, seed=9)
+    replace_moe_blocks(single, group=alone)
+    assert single.model.layers[1].mlp.num_local_experts == single.model.layers[1].mlp.num_global_experts == 8
+    checkpoint.load_resharded(single, pattern, saved_world_size=world())
+    close(single(ids).logits, expected, "one-process model loaded from the expert-parallel checkpoint", TOL)
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(folder[0])
 
 
 @checks.add
