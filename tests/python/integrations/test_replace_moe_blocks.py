@@ -129,6 +129,19 @@ def test_a_model_without_moe_blocks_is_refused():
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match="LlamaForCausalLM has no sparse-MoE block"):
         replace_moe_blocks(model)
+    model = rm.build("olmoe")
+    replace_moe_blocks(model)
+    with pytest.raises(ValueError, match="no sparse-MoE block to replace \\(its MoE blocks are moe_layers already\\)"):
+        replace_moe_blocks(model)
+
+
+def test_a_switch_transformers_block_is_named_as_unknown():
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+    config = SwitchTransformersConfig(vocab_size=40, d_model=8, d_kv=4, d_ff=8, num_layers=2, num_decoder_layers=2,
+                                      num_heads=2, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1)
+    model = SwitchTransformersForConditionalGeneration(config)
+    with pytest.raises(UnsupportedMoeBlock, match="'encoder.block.0.layer.1.mlp' \\(SwitchTransformersSparseMLP\\)"):
+        replace_moe_blocks(model)
 
 
 @pytest.mark.parametrize("family, block_class", [("phimoe", "PhimoeSparseMoeBlock"),

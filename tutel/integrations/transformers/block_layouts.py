@@ -76,12 +76,13 @@ def is_known_block(module: torch.nn.Module) -> bool:
 
 def looks_like_moe_block(module: torch.nn.Module) -> bool:
     """Whether `module` holds routed experts: a child ``experts`` with 3-D stacked expert weights
-    (transformers 5.x) or a ModuleList of experts beside a gate / router."""
+    (transformers 5.x) or a ModuleList / ModuleDict of experts beside a gate / router."""
     experts = getattr(module, "experts", None)
     if not isinstance(experts, torch.nn.Module):
         return False
     stacked = any(p.dim() == 3 for p in experts.parameters(recurse=False))
-    listed = isinstance(experts, torch.nn.ModuleList) and any(hasattr(module, n) for n in ("gate", "router"))
+    listed = isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict)) and \
+        any(hasattr(module, n) for n in ("gate", "router"))
     return stacked or listed
 
 

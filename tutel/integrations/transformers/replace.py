@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ...gates.scoring import check_top_k
 from ...impls.process_groups import get_world_rank, get_world_size
 from ...impls.moe_layer import MOELayer
 from .block_layouts import (SUPPORTED_BLOCKS, BlockLayout, UnsupportedMoeBlock, is_known_block, looks_like_moe_block,
@@ -49,10 +50,6 @@ def _split_options(switches: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, 
     return calls, gates
 
 
-def _reference_tensor(layout: BlockLayout) -> torch.Tensor:
-    return layout.experts.down_proj
-
-
 def _build_layer(name: str, layout: BlockLayout, group, call_defaults: Dict[str, Any],
                  gate_overrides: Dict[str, Any]) -> ReplacedMoeBlock:
     """A moe_layer for one block, its weights loaded; raises naming the module on any contradiction."""
@@ -70,7 +67,7 @@ def _build_layer(name: str, layout: BlockLayout, group, call_defaults: Dict[str,
     if layout.shared is not None:
         experts["shared_experts"] = {"hidden_size": layout.shared.gate_proj.out_features,
                                      "gated": layout.shared_gate is not None}
-    reference = _reference_tensor(layout)
+    reference = layout.experts.down_proj  # the experts' device and dtype
     try:
         with torch.random.fork_rng(devices=[]):  # the throw-away initialisation leaves the user's RNG alone
             layer = ReplacedMoeBlock(call_defaults=call_defaults, returns=layout.returns, family=layout.family,
@@ -82,7 +79,6 @@ def _build_layer(name: str, layout: BlockLayout, group, call_defaults: Dict[str,
                              "replace_moe_blocks")
         top_k = call_defaults.get("top_k")
         if top_k is not None:
-            from ...gates.scoring import check_top_k
             check_top_k(layer.gates[0].routing_options, top_k, layout.num_experts, "replace_moe_blocks")
     except (ValueError, TypeError) as error:
         raise UnsupportedMoeBlock(name, layout.experts, str(error)) from error
@@ -172,8 +168,10 @@ def replace_moe_blocks(model: torch.nn.Module, group=None, **switches) -> int:
     call_defaults, gate_overrides = _split_options(switches)
     blocks = find_moe_blocks(model)
     if not blocks:
-        raise ValueError(f"replace_moe_blocks: {type(model).__name__} has no sparse-MoE block to replace "
-                         f"(supported blocks: {', '.join(SUPPORTED_BLOCKS)})")
+        done = any(isinstance(module, MOELayer) for module in model.modules())
+        raise ValueError(f"replace_moe_blocks: {type(model).__name__} has no sparse-MoE block to replace"
+                         + (" (its MoE blocks are moe_layers already)" if done else "")
+                         + f"; supported blocks: {', '.join(SUPPORTED_BLOCKS)}")
     if group is None:
         import torch.distributed as dist
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
