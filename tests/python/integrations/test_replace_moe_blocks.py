@@ -10,7 +10,7 @@ import tiny_transformers_models as tiny
 from tutel.impls.moe_layer import MOELayer
 from tutel.integrations.transformers import replace_moe_blocks
 from tutel.integrations.transformers.block_layouts import UnsupportedMoeBlock
-from tutel.integrations.transformers.replace import moe_aux_loss
+from tutel.integrations.transformers.replace import moe_aux_loss, set_moe_switches
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 BLOCK_CLASSES = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
@@ -112,6 +112,24 @@ def test_switch_defaults_and_per_call_switches():
     assert layer.l_aux is not None and layer.l_aux.dim() == 0
 
 
+def test_set_moe_switches_changes_the_models_own_forward():
+    model, k1 = rm.build("qwen3_moe"), rm.build("qwen3_moe", num_experts_per_tok=1)
+    original = rm.build("qwen3_moe")
+    replace_moe_blocks(model)
+    ids = rm.tokens(5)
+    assert set_moe_switches(model, top_k=1) == 2
+    torch.testing.assert_close(model(ids).logits, k1(ids).logits, **TOL)
+    assert set_moe_switches(model, top_k=None) == 2  # back to the gate's k
+    torch.testing.assert_close(model(ids).logits, original(ids).logits, **TOL)
+    with pytest.raises(ValueError, match="layer 'model.layers.0.mlp'.*top_k=9 exceeds num_global_experts=7"):
+        set_moe_switches(model, top_k=9)
+    with pytest.raises(TypeError, match="unknown switch"):
+        set_moe_switches(model, k=1)
+    with pytest.raises(ValueError, match="no layer made by replace_moe_blocks"):
+        set_moe_switches(original, top_k=1)
+    torch.testing.assert_close(model(ids).logits, original(ids).logits, **TOL)  # the refused calls changed nothing
+
+
 def test_state_dict_round_trip_between_replaced_models():
     source, target = rm.build("deepseek_v3", seed=0), rm.build("deepseek_v3", seed=5)
     replace_moe_blocks(source)
@@ -176,7 +194,7 @@ def test_contradictory_routing_in_a_later_block_is_refused(change, words):
     router = model.model.layers[2].mlp.gate
     for name, value in change.items():
         setattr(router, name, value)
-    with pytest.raises(UnsupportedMoeBlock, match="'model.layers.2.mlp'") as raised:
+    with pytest.raises(UnsupportedMoeBlock, match="'model.layers.2.mlp' \\(DeepseekV3MoE\\)") as raised:
         replace_moe_blocks(model)
     assert words in str(raised.value)
     assert _unchanged(model, blocks, "DeepseekV3MoE")

@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ...gates.scoring import check_top_k
 from ...impls.process_groups import get_world_rank, get_world_size
 from ...impls.moe_layer import MOELayer
 from .block_layouts import (SUPPORTED_BLOCKS, BlockLayout, UnsupportedMoeBlock, is_known_block, looks_like_moe_block,
@@ -50,13 +49,13 @@ def _split_options(switches: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, 
     return calls, gates
 
 
-def _build_layer(name: str, layout: BlockLayout, group, call_defaults: Dict[str, Any],
+def _build_layer(name: str, block: torch.nn.Module, layout: BlockLayout, group, call_defaults: Dict[str, Any],
                  gate_overrides: Dict[str, Any]) -> ReplacedMoeBlock:
     """A moe_layer for one block, its weights loaded; raises naming the module on any contradiction."""
     world_size = get_world_size(group)
     if layout.num_experts % world_size != 0:
-        raise UnsupportedMoeBlock(name, layout.experts, f"num_experts={layout.num_experts} cannot be split over "
-                                                        f"the group's {world_size} processes (it must divide them)")
+        raise UnsupportedMoeBlock(name, block, f"num_experts={layout.num_experts} cannot be split over "
+                                                f"the group's {world_size} processes (it must divide them)")
     gate = dict(layout.gate, type="custom", module=TransformersRouter, logits=layout.logits, capacity_factor=0.0)
     gate.update(gate_overrides)
     experts: Dict[str, Any] = {"num_experts_per_device": layout.num_experts // world_size,
@@ -73,15 +72,9 @@ def _build_layer(name: str, layout: BlockLayout, group, call_defaults: Dict[str,
             layer = ReplacedMoeBlock(call_defaults=call_defaults, returns=layout.returns, family=layout.family,
                                      gate_type=gate, model_dim=layout.model_dim, experts=experts, group=group,
                                      is_postscore=layout.is_postscore)
-        layer._call_settings(torch.zeros(1, layout.model_dim), 0, call_defaults.get("capacity_factor"),
-                             call_defaults.get("top_k"), call_defaults.get("a2a_ffn_overlap_degree"), 1,
-                             call_defaults.get("adaptive_r"), call_defaults.get("megablocks_size", 0),
-                             "replace_moe_blocks")
-        top_k = call_defaults.get("top_k")
-        if top_k is not None:
-            check_top_k(layer.gates[0].routing_options, top_k, layout.num_experts, "replace_moe_blocks")
+        layer.check_switches(call_defaults, "replace_moe_blocks")
     except (ValueError, TypeError) as error:
-        raise UnsupportedMoeBlock(name, layout.experts, str(error)) from error
+        raise UnsupportedMoeBlock(name, block, str(error)) from error
     layer.to(device=reference.device, dtype=reference.dtype)
     _load_weights(layer, layout, get_world_rank(group), world_size)
     layer.train(layout.experts.training)
@@ -175,8 +168,9 @@ def replace_moe_blocks(model: torch.nn.Module, group=None, **switches) -> int:
     if group is None:
         import torch.distributed as dist
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    layouts = [(name, read_block(name, block)) for name, block in blocks]  # all checked before any change
-    layers = [(name, _build_layer(name, layout, group, call_defaults, gate_overrides)) for name, layout in layouts]
+    layouts = [(name, block, read_block(name, block)) for name, block in blocks]  # all checked before any change
+    layers = [(name, _build_layer(name, block, layout, group, call_defaults, gate_overrides))
+              for name, block, layout in layouts]
     for name, layer in layers:
         _set_module(model, name, layer)
     _keep_router_logits_recordable(model, [layer for _, layer in layers])
@@ -203,6 +197,36 @@ def _keep_router_logits_recordable(model: torch.nn.Module, layers: List[Replaced
     for layer in layers:
         for gate in layer.gates:
             install_output_capuring_hook(gate, "router_logits", 0)
+
+
+def set_moe_switches(model: torch.nn.Module, **switches) -> int:
+    """Changes the per-call switch defaults (``capacity_factor``, ``top_k``,
+    ``a2a_ffn_overlap_degree``, ``adaptive_r``, ``megablocks_size``) of every layer that
+    ``replace_moe_blocks`` put into `model`, so that the model's own forward (which cannot pass
+    them) uses them; a value None restores the gate's own setting.  Every layer is checked before
+    any changes; returns how many layers changed.
+
+    Raises:
+        TypeError: an unknown switch; ValueError naming the layer and the switch for a value a
+            layer does not allow (e.g. top_k above the experts its groups allow).
+    """
+    unknown = [name for name in switches if name not in CALL_SWITCHES]
+    if unknown:
+        raise TypeError(f"set_moe_switches: unknown switch(es) {unknown}; allowed: {', '.join(CALL_SWITCHES)}")
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ReplacedMoeBlock)]
+    if not layers:
+        raise ValueError(f"set_moe_switches: {type(model).__name__} has no layer made by replace_moe_blocks")
+    updated = []
+    for name, layer in layers:
+        defaults = {key: value for key, value in {**layer.call_defaults, **switches}.items() if value is not None}
+        try:
+            layer.check_switches(defaults, "set_moe_switches")
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"set_moe_switches: layer '{name}': {error}") from error
+        updated.append((layer, defaults))
+    for layer, defaults in updated:
+        layer.call_defaults = defaults
+    return len(updated)
 
 
 def moe_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from ...gates.scoring import check_top_k
 from ...impls.moe_layer import MOELayer
 
 # logits modes: 'model' -> x W^T (+ b) in the model's dtype (gpt-oss); 'float32_logits' -> the same,
@@ -72,6 +73,17 @@ class ReplacedMoeBlock(MOELayer):
         self._last_weights: Optional[torch.Tensor] = None
         for gate in self.gates:
             gate.keep_logits = returns == "hidden_and_logits"
+
+    def check_switches(self, switches: Dict[str, Any], where: str) -> None:
+        """Raises ValueError / TypeError naming the switch when `switches` (names from
+        ``CALL_SWITCHES``) contain a value this layer's forward would refuse."""
+        self._call_settings(torch.zeros(1, self.model_dim), 0, switches.get("capacity_factor"), switches.get("top_k"),
+                            switches.get("a2a_ffn_overlap_degree"), 1, switches.get("adaptive_r"),
+                            switches.get("megablocks_size", 0), where)
+        top_k = switches.get("top_k")
+        for gate in self.gates:
+            if top_k is not None:
+                check_top_k(gate.routing_options, top_k, self.num_global_experts, where)
 
     def extra_repr(self) -> str:
         return f"family={self.family}, " + super().extra_repr()
