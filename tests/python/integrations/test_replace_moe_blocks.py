@@ -234,3 +234,19 @@ def test_documented_example_runs():
     namespace = {}
     exec(compile(body, page, "exec"), namespace)
     assert namespace["y"].shape == (2, 10, 32) and isinstance(namespace["layer"], MOELayer)
+
+
+def test_training_mode_equals_the_original_and_balances_with_the_selection_bias():
+    from tutel import moe
+    model, original, blocks = rm.original_and_copy("deepseek_v3")
+    model.train()
+    original.train()
+    replace_moe_blocks(model)
+    layer = model.get_submodule(blocks[0])
+    assert layer.training
+    ids = rm.tokens(6)
+    torch.testing.assert_close(model(ids).logits, original(ids).logits, **TOL)
+    bias_before = layer.gates[0].selection_bias.bias.clone()
+    assert moe.update_selection_biases(model) == 1  # loads counted in the training call move the bias
+    step = layer.gates[0].selection_bias.bias - bias_before
+    assert step.abs().max() > 0 and torch.allclose(step.abs()[step != 0], torch.full_like(step[step != 0], 1e-3))
