@@ -165,9 +165,6 @@ def replace_moe_blocks(model: torch.nn.Module, group=None, **switches) -> int:
         raise ValueError(f"replace_moe_blocks: {type(model).__name__} has no sparse-MoE block to replace"
                          + (" (its MoE blocks are moe_layers already)" if done else "")
                          + f"; supported blocks: {', '.join(SUPPORTED_BLOCKS)}")
-    if group is None:
-        import torch.distributed as dist
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     layouts = [(name, block, read_block(name, block)) for name, block in blocks]  # all checked before any change
     layers = [(name, _build_layer(name, block, layout, group, call_defaults, gate_overrides))
               for name, block, layout in layouts]
