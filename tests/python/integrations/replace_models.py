@@ -69,7 +69,8 @@ def original_and_copy(family: str, seed: int = 0) -> Tuple[torch.nn.Module, torc
     return model, copy.deepcopy(model), block_names(model)
 
 
-def expert_grads_as_layer(experts: torch.nn.Module, family: str, rank: int = 0, world: int = 1) -> Dict[str, torch.Tensor]:
+def expert_grads_as_layer(experts: torch.nn.Module, family: str, rank: int = 0,
+                          world: int = 1) -> Dict[str, torch.Tensor]:
     """A transformers experts module's gradients (experts rank*E/world .. of them) in the layout of
     the tutel experts that replace it: clamped_swiglu keeps gpt-oss's names and layout; llama_ffn
     stores flat W_fc1 / W_fc2 [L, M, I] and W_fc3 [L, I, M]."""
