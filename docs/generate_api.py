@@ -17,10 +17,13 @@ OUTPUT = os.path.join(HERE, "api.md")
 # (section title, module, names or None for the module's __all__)
 SECTIONS = [
     ("tutel.moe — the MoE layer and routing", "tutel.moe",
-     ["moe_layer", "MOELayer.forward", "top_k_routing", "fast_encode", "fast_decode", "fast_dispatcher",
+     ["moe_layer", "MOELayer.forward", "MOELayer.update_selection_bias", "update_selection_biases",
+      "top_k_routing", "fast_encode", "fast_decode", "fast_dispatcher",
       "fast_cumsum_sub_one", "get_dispatch_count"]),
     ("Gates (`gate_type={'type': ...}`)", "tutel.gates", ["top.LinearTopKGate", "cosine_top.CosineTopKGate"]),
-    ("Experts (`experts={'type': ...}`)", "tutel.experts", ["ffn.FusedExpertsNetwork", "llama_ffn.LlamaFFNNetwork"]),
+    ("Experts (`experts={'type': ...}`)", "tutel.experts", ["ffn.FusedExpertsNetwork", "llama_ffn.LlamaFFNNetwork",
+                                                          "clamped_swiglu.ClampedSwiGLUExperts",
+                                                          "shared.SharedExperts"]),
     ("tutel.net — collectives", "tutel.net", None),
     ("tutel.system — processes and helpers", "tutel.system",
      ["init_data_model_parallel", "get_local_session", "record_time", "cache", "LocalCache", "save", "load",

@@ -14,6 +14,7 @@ from .impls.fast_dispatch import (
     fast_encode,
     get_dispatch_count,
 )
+from .gates.balancing import update_selection_biases
 from .impls.moe_layer import MOELayer, moe_layer
 from .jit_kernels.gating import fast_cumsum_sub_one
 
@@ -32,4 +33,5 @@ __all__ = [
     "get_dispatch_count",
     "moe_layer",
     "top_k_routing",
+    "update_selection_biases",
 ]

@@ -18,7 +18,8 @@ def check_routing_options(options: Dict, gate_name: str) -> None:
             raise ValueError(f"Unrecognized argument provided to Gating module: {name} — `{name}` is an "
                              f"argument of moe_layer(...), not of the gate dict")
         raise ValueError(f"Unrecognized argument provided to Gating module: {name} (gate '{gate_name}' "
-                         f"accepts k, fp32_gate, {', '.join(ROUTING_OPTIONS)} and its own arguments)")
+                         f"accepts k, fp32_gate, {', '.join(ROUTING_OPTIONS)}, its own arguments and the "
+                         f"scored-routing options of docs/routing.md)")
 
 
 def clamp_top_k(k, num_global_experts: int) -> int:

@@ -5,6 +5,7 @@ size...) would make the first all-to-all fail with an opaque size error or a cra
 all-gather of a few integers per layer, when it is built, names the processes and the
 setting that differ instead.
 """
+import zlib
 from typing import Dict, List
 
 import torch
@@ -28,6 +29,11 @@ def layer_fingerprint(layer) -> Dict[str, int]:
     }
     for index, gate in enumerate(layer.gates):
         fingerprint[f"gates[{index}].top_k"] = int(gate.top_k)
+        # the scored-routing options as one number (crc32 of their repr: the same on every process)
+        fingerprint[f"gates[{index}] scored-routing options"] = zlib.crc32(
+            repr(getattr(gate, "routing_options", None)).encode())
+    shared = getattr(layer, "shared_experts", None)
+    fingerprint["shared expert parameter count"] = 0 if shared is None else sum(p.numel() for p in shared.parameters())
     return fingerprint
 
 

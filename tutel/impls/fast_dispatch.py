@@ -58,7 +58,9 @@ def normalize_gates(gates: torch.Tensor) -> torch.Tensor:
 def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable] = losses.gshard_loss,
                      capacity_factor: float = 1.0, batch_prioritized_routing: bool = False,
                      normalize_gate: bool = True, alignment: int = 1, group=None,
-                     inequivalent_tokens: bool = False) -> Tuple[CriticalData, Optional[torch.Tensor]]:
+                     inequivalent_tokens: bool = False,
+                     gate_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     ) -> Tuple[CriticalData, Optional[torch.Tensor]]:
     """Top-k routing of T tokens over E experts (Tutel's ``top_k_routing``).
 
     Args:
@@ -75,6 +77,9 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
             ``inequivalent_tokens``, token counts) are agreed.
         inequivalent_tokens: ranks may hold different token counts; the
             static capacity then uses the largest count in the group.
+        gate_values: ``gate_values(indices [k, T] int32) -> [k, T]`` weights of the chosen experts,
+            replacing the chosen scores (and ``normalize_gate``): then `scores` only choose the
+            experts (scored routing, tutel.impls.scored_routing).
 
     Returns:
         (crit, l_aux) where crit is a CriticalData tuple and l_aux the loss
@@ -93,7 +98,10 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
 
     routing = ops.route_topk(scores, top_k, batch_prioritized=batch_prioritized_routing)
     l_aux = loss_fn(scores, routing.indices.t().long()) if loss_fn is not None else None
-    gates = normalize_gates(routing.gates) if (top_k > 1 and normalize_gate) else routing.gates
+    if gate_values is not None:
+        gates = gate_values(routing.indices)
+    else:
+        gates = normalize_gates(routing.gates) if (top_k > 1 and normalize_gate) else routing.gates
     dispatch_count = routing.counts.sum(dim=0)
 
     if inequivalent_tokens:

@@ -11,8 +11,11 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..gates.balancing import SelectionBias
+from ..gates.scoring import OPTION_NAMES, check_top_k, pop_routing_options
 
-GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t")
+
+GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "router_bias") + OPTION_NAMES
 _NAME = re.compile(r"^[a-zA-Z0-9_]+$")
 
 
@@ -108,9 +111,12 @@ def gate_configs(gate_type) -> List[Dict[str, Any]]:
 
 
 def build_gate(config: Dict[str, Any], model_dim: int, num_global_experts: int) -> torch.nn.Module:
-    """Instantiates one gate and attaches its routing options (capacity_factor, gate_noise)."""
+    """Instantiates one gate and attaches its routing options: capacity_factor, gate_noise, the
+    scored-routing options (``gate.routing_options``, tutel.gates.scoring) and, with
+    ``selection_bias=True``, the bias module ``gate.selection_bias`` (tutel.gates.balancing)."""
     config = dict(config)
     gate_name = config.pop("type")
+    routing_options = pop_routing_options(config, num_global_experts)  # scored routing (gates/scoring.py)
     if gate_name == "custom":
         if "module" not in config:
             raise ValueError("gate_type {'type': 'custom'} needs 'module': the gate class")
@@ -131,6 +137,10 @@ def build_gate(config: Dict[str, Any], model_dim: int, num_global_experts: int) 
         gate.gate_noise = float(config.get("gate_noise", 0.0))
     if not hasattr(gate, "capacity_factor"):
         gate.capacity_factor = float(config.get("capacity_factor", float(os.environ.get("CAP_FACTOR", 1.0))))
+    gate.routing_options = routing_options
+    check_top_k(routing_options, gate.top_k, num_global_experts, "gate_type")
+    if routing_options.selection_bias:
+        gate.selection_bias = SelectionBias(num_global_experts, routing_options.bias_update_rate)
     return gate
 
 
@@ -140,7 +150,7 @@ def build_experts(config: Dict[str, Any], model_dim: int, num_local_experts: int
     config = dict(config)
     expert_name = config.pop("type", None)
     if expert_name is None:
-        raise ValueError("experts dict needs a 'type': 'ffn', 'llama_ffn' or 'custom'")
+        raise ValueError("experts dict needs a 'type': 'ffn', 'llama_ffn', 'clamped_swiglu' or 'custom'")
     if expert_name == "custom":
         if "module" not in config:
             raise ValueError("experts {'type': 'custom'} needs 'module': the expert class")
@@ -156,7 +166,7 @@ def build_experts(config: Dict[str, Any], model_dim: int, num_local_experts: int
             expert_class = importlib.import_module(f"tutel.experts.{expert_name}").ExpertModule
         except ModuleNotFoundError:
             raise ValueError(f"Builtin expert type is not recognized: {expert_name!r}; built-in experts: "
-                             f"'ffn', 'llama_ffn', or 'custom' with 'module'") from None
+                             f"'ffn', 'llama_ffn', 'clamped_swiglu', or 'custom' with 'module'") from None
     common = dict(model_dim=model_dim, sharded_count=sharded_count)
     try:
         return expert_class(num_experts_per_device=num_local_experts, **common, **config)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..experts._grouped import run_grouped_experts, supports_grouped
+from ..experts.shared import pop_shared_experts
 from ..ops._checks import require_finite_number, require_int
 from . import losses
 from .autocast import autocast_dtype, without_autocast
@@ -29,6 +30,7 @@ from .layer_config import (
     valid_adaptive_rs,
 )
 from .placement import Placement
+from .scored_routing import route_scored
 from .state_loading import load_moe_state, register_placement_record
 
 
@@ -50,8 +52,11 @@ class MOELayer(torch.nn.Module):
             copied, never modified.
         model_dim: size of a token's features (the product of the last ``reserve_dims`` input dims).
         experts: ``{'type': 'ffn', 'num_experts_per_device': L, 'hidden_size_per_expert': H, ...}``
-            (or 'llama_ffn', or 'custom' with 'module'); ``count_per_node`` is accepted for
-            ``num_experts_per_device``; a negative count -n shares each expert over n processes.
+            (or 'llama_ffn', 'clamped_swiglu', or 'custom' with 'module'); ``count_per_node`` is
+            accepted for ``num_experts_per_device``; a negative count -n shares each expert over n
+            processes; ``'shared_experts': {'hidden_size': I, 'gated': False}`` adds always-on
+            shared experts (tutel.experts.shared).  Gate dicts also take the scored-routing options
+            of docs/routing.md (score_function, selection_bias, n_group, ...).
         scan_expert_func: ``fn(name, param)`` called on every expert parameter.
         result_func: if given, forward returns ``result_func(output)``.
         group: process group of the expert-parallel exchange (default: WORLD).
@@ -80,6 +85,7 @@ class MOELayer(torch.nn.Module):
                              "'num_experts_per_device': 2, 'hidden_size_per_expert': 1024}")
         experts = dict(experts)
         gates = gate_configs(gate_type)
+        shared_experts = pop_shared_experts(experts, self.model_dim)
 
         self.group = _default_group(group)
         self.result_func = result_func
@@ -114,6 +120,7 @@ class MOELayer(torch.nn.Module):
             if scan_expert_func is not None:
                 scan_expert_func(name, param)
             param._tutel_expert = True
+        self.shared_experts = shared_experts  # replicated on every process, not expert-parallel
 
         built_gates = []
         for index, config in enumerate(gates):
@@ -158,6 +165,20 @@ class MOELayer(torch.nn.Module):
         y = self.experts(x.view(x.size(0), x.size(1), *reserve_shape), self)
         self.protected_shape = y.shape
         return y.reshape(y.size(0), y.size(1), math.prod(y.shape[2:]))
+
+    def update_selection_bias(self) -> int:
+        """Aux-loss-free balancing step for every gate with ``selection_bias=True``: moves its bias by
+        ``rate * sign(mean load - load)`` from the routed choices counted in training calls since the
+        last update, summed over ``self.group`` (every process must call it, after optimizer.step()).
+        Returns the number of gates updated.  ``tutel.moe.update_selection_biases(model)`` calls it
+        for every layer of a model."""
+        updated = 0
+        for gate in self.gates:
+            bias = getattr(gate, "selection_bias", None)
+            if bias is not None:
+                bias.update(self.group)
+                updated += 1
+        return updated
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         load_moe_state(self, state_dict, prefix, args[0] if args else None)  # args[0]: local_metadata
@@ -206,9 +227,11 @@ class MOELayer(torch.nn.Module):
 
         x = input.reshape(-1, self.model_dim)
         x = x.to(self._compute_dtype(x))
+        # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
+        sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
         with without_autocast(x.device.type):
             crit, l_aux = self._route(x, gate, top_k, capacity_factor, overlap, megablocks_size,
-                                      inequivalent_tokens)
+                                      inequivalent_tokens, sequence_length)
 
         if self.world_size > 1:
             crit = crit._replace(capacity=agree_on_call(self.group, x.device, crit.capacity, overlap, adaptive_r))
@@ -223,6 +246,8 @@ class MOELayer(torch.nn.Module):
                 y = fast_encode(x, crit, self.is_postscore)
                 y = self._run_experts(y, reserve_shape, overlap, adaptive_r)
                 y = fast_decode(y, crit, self.is_postscore)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
 
         output_shape = list(original_shape[:-reserve_dims]) + list(self.protected_shape[-reserve_dims:])
         output = y.view(output_shape).to(original_dtype)
@@ -294,7 +319,8 @@ class MOELayer(torch.nn.Module):
                 return param.dtype
         return x.dtype
 
-    def _route(self, x, gate, top_k, capacity_factor, overlap, megablocks_size, inequivalent_tokens):
+    def _route(self, x, gate, top_k, capacity_factor, overlap, megablocks_size, inequivalent_tokens,
+               sequence_length):
         logits = gate(x)
         if logits.dim() != 2 or logits.shape != (x.shape[0], self.num_global_experts):
             raise ValueError(f"gate returned logits of shape {tuple(logits.shape)}; expected "
@@ -303,6 +329,10 @@ class MOELayer(torch.nn.Module):
             noisy_logits = logits + gate.gate_noise * torch.randn_like(logits) / self.num_global_experts
         else:
             noisy_logits = logits
+        options = getattr(gate, "routing_options", None)
+        if options is not None and not options.is_default:
+            return self._route_scored(gate, logits, noisy_logits, top_k, capacity_factor, overlap,
+                                      megablocks_size, inequivalent_tokens, sequence_length)
         scores = F.softmax(noisy_logits, dim=1)
         if self.is_gshard_loss:
             loss_fn = losses.gshard_loss
@@ -316,6 +346,22 @@ class MOELayer(torch.nn.Module):
             batch_prioritized_routing=self.batch_prioritized_routing, normalize_gate=self.normalize_gate,
             alignment=capacity_alignment(self.sharded_count, overlap, megablocks_size), group=self.group,
             inequivalent_tokens=inequivalent_tokens)
+
+    def _route_scored(self, gate, logits, noisy_logits, top_k, capacity_factor, overlap, megablocks_size,
+                      inequivalent_tokens, sequence_length):
+        """Routing under the gate's scored-routing options (tutel.impls.scored_routing); in training
+        it also counts the choices each expert received for the selection-bias update."""
+        bias = getattr(gate, "selection_bias", None)
+        crit, l_aux = route_scored(
+            logits, noisy_logits, gate.routing_options, None if bias is None else bias.bias, top_k,
+            gate_noise=gate.gate_noise, is_gshard_loss=self.is_gshard_loss, normalize_gate=self.normalize_gate,
+            sequence_length=sequence_length, capacity_factor=capacity_factor,
+            batch_prioritized_routing=self.batch_prioritized_routing,
+            alignment=capacity_alignment(self.sharded_count, overlap, megablocks_size), group=self.group,
+            inequivalent_tokens=inequivalent_tokens)
+        if bias is not None and self.training:
+            bias.record(crit.dispatch_count)
+        return crit, l_aux
 
     @contextlib.contextmanager
     def _per_call(self, **values):

@@ -20,8 +20,9 @@ run; otherwise the same error comes at the module's first call.
 from .forward import tutel_experts_forward
 from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout
 from .registration import NAME, check_model, enable, experts_modules, register
+from .replace import replace_moe_blocks
 
 register()
 
 __all__ = ["NAME", "ExpertsLayout", "UnsupportedExpertsLayout", "check_model", "enable", "experts_modules",
-           "read_layout", "register", "tutel_experts_forward"]
+           "read_layout", "register", "replace_moe_blocks", "tutel_experts_forward"]
