@@ -35,6 +35,7 @@ inline int64_t slot_of(const SlotTable& s, int64_t j, int64_t t, StatusCollector
 
 template <class T>
 inline void zero_row(T* dst, int64_t M) {
+  if (M == 0) return;  // empty rows may come with null data pointers; memset(nullptr, 0, 0) is undefined
   std::memset(static_cast<void*>(dst), 0, sizeof(T) * M);
 }
 
@@ -49,6 +50,7 @@ inline void add_scaled_row(T* dst, const T* src, acc_t<T> w, int64_t M) {
 template <class T>
 inline void combine_rows(const RowKernels<T>& kernels, T* dst, const T* const* rows, const acc_t<T>* weights,
                          int n, int64_t M) {
+  if (M == 0) return;  // empty rows may come with null data pointers; memcpy(.., nullptr, 0) is undefined
   if (n == 1 && (weights == nullptr || weights[0] == acc_t<T>(1))) {
     std::memcpy(static_cast<void*>(dst), rows[0], sizeof(T) * M);
     return;
