@@ -60,6 +60,8 @@ RULES = [
     (r"^python3 /path/to/tutel/examples/fairseq_moe/apply_patch\.py \.$", "COVERED",
      "tests/python/test_fairseq_calls.py::test_apply_patch_inserts_the_calls_once"),
     (r"^bash tests/run_all\.sh$", "CI", ".ci/run"),
+    (r"^cmake -S \. -B build/cpp && cmake --build build/cpp|^ctest --test-dir build/cpp -L kernels-on-cpu", "CI",
+     "tests/run_all.sh"),
     (r"^bash tests/integration/deepspeed/run\.sh$", "CI", "tests/run_all.sh"),
     (r"^DS_BUILD_OPS=0 pip install --no-deps deepspeed==|^pip install einops ", "CI",
      "tests/integration/deepspeed/run.sh"),
