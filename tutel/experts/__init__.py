@@ -7,7 +7,8 @@ called as ``forward(x [local_experts, tokens, *features], ctx)`` where ``ctx``
 is the MoE layer (it exposes ``sharded_count``, ``adaptive_degree``, ``group``,
 ``num_global_experts``, ``model_dim``, ``megablocks_size``, ``dispatch_count``).
 """
+from ._grouped import run_grouped_experts, supports_grouped
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
 
-__all__ = ["FusedExpertsNetwork", "LlamaFFNNetwork"]
+__all__ = ["FusedExpertsNetwork", "LlamaFFNNetwork", "run_grouped_experts", "supports_grouped"]

@@ -12,17 +12,18 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import ops
-from ..ops._checks import (
+from ..ops.checks import (
     as_slot_tensor,
     require_dim,
     require_finite_number,
     require_floating,
     require_int,
+    require_top_k,
     stack_choices,
 )
 from . import losses
 from .capacity import expert_capacity, realtime_capacity_factor
-from .communicate import all_reduce_max_int, get_world_rank
+from ..collectives import all_reduce_max_int, get_world_rank
 
 logger = logging.getLogger("tutel")
 
@@ -84,10 +85,7 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
     require_floating(scores, "scores", where)
     require_dim(scores, 2, "scores", where)
     num_tokens, num_experts = int(scores.shape[0]), int(scores.shape[1])
-    top_k = require_int(top_k, "top_k", where, minimum=1)
-    if top_k > num_experts:
-        raise ValueError(f"{where}: top_k={top_k} exceeds num_global_experts={num_experts}; "
-                         f"allowed: 1 <= top_k <= {num_experts}")
+    top_k = require_top_k(top_k, num_experts, where)
     capacity_factor = require_finite_number(capacity_factor, "capacity_factor", where)
     alignment = require_int(alignment, "alignment", where, minimum=1)
 

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..impls.autocast import autocast_dtype
-from ._checks import require_dim, require_floating
+from .checks import require_dim, require_floating
 
 
 def _right_factor(weight: torch.Tensor, weight_transposed: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import dist_reference as ref
 from dist_checks import CheckList, close, compare_with_reference, expect_error, rank, world
 from tutel import net, system
-from tutel.impls import exchange
+from tutel.collectives import exchange
 
 checks = CheckList()
 

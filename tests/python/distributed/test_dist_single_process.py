@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tutel import net, system
-from tutel.impls import exchange, process_groups
-from tutel.impls.distributed_optimizer import is_expert_param
+from tutel.collectives import exchange, process_groups
+from tutel.collectives.distributed_optimizer import is_expert_param
 
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE",
                         "OMPI_COMM_WORLD_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")
