@@ -148,22 +148,32 @@ def fast_decode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
 
     With ``is_postscore=True`` (default) the gates weight the expert outputs here.
     """
-    num_experts, indices_s, locations_s, gates_s = critical_data[:4]
+    num_experts, indices_s, locations_s, gates_s, capacity = critical_data[:5]
     indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_decode")
-    return ops.decode(_as_expert_buffer(data, num_experts, "tutel.moe.fast_decode"), indices, locations,
+    capacity = require_int(capacity, "capacity", "tutel.moe.fast_decode")
+    return ops.decode(_as_expert_buffer(data, num_experts, capacity, "tutel.moe.fast_decode"), indices, locations,
                       gates=gates_s if is_postscore else None)
 
 
-def _as_expert_buffer(data: torch.Tensor, num_experts: int, where: str) -> torch.Tensor:
+def _as_expert_buffer(data: torch.Tensor, num_experts: int, capacity: int, where: str) -> torch.Tensor:
+    """`data` as the [E, C, M] buffer of the routing (E experts, C slots each).
+
+    Accepts [E, C, M] or the flat [E*C, M]; any other shape raises naming both the buffer's
+    shape and the routing's experts and capacity (a buffer whose rows merely divide by E would
+    otherwise be reshaped to the wrong capacity)."""
     require_floating(data, "data", where)
-    if data.dim() < 2:
-        raise ValueError(f"{where}: `data` must be [E, C, M] or [E*C, M], got shape {tuple(data.shape)}")
-    model_dim = data.shape[-1]
-    rows = data.numel() // max(1, model_dim)
-    if rows % num_experts != 0:
-        raise ValueError(f"{where}: `data` of shape {tuple(data.shape)} does not split into "
-                         f"num_global_experts={num_experts} equal expert buffers")
-    return data.reshape(num_experts, rows // num_experts, model_dim)
+    expected = (num_experts, capacity)
+    if data.dim() == 3:
+        fits = tuple(data.shape[:2]) == expected
+    elif data.dim() == 2:
+        fits = data.shape[0] == num_experts * capacity
+    else:
+        fits = False
+    if not fits:
+        raise ValueError(f"{where}: `data` of shape {tuple(data.shape)} is not the routing's expert buffer: the "
+                         f"routing has num_global_experts={num_experts} and capacity={capacity}, so `data` must be "
+                         f"[{num_experts}, {capacity}, M] or [{num_experts * capacity}, M]")
+    return data.reshape(num_experts, capacity, data.shape[-1])
 
 
 class TutelMoeFastDispatcher:
@@ -206,7 +216,8 @@ class TutelMoeFastDispatcher:
         return out.reshape(-1, out.shape[-1]).to(self.original_dtype)
 
     def decode(self, data: torch.Tensor) -> torch.Tensor:
-        buffer = _as_expert_buffer(data.to(self.dtype), self.num_global_experts, "tutel.moe.fast_dispatcher.decode")
+        buffer = _as_expert_buffer(data.to(self.dtype), self.num_global_experts, self.capacity,
+                                   "tutel.moe.fast_dispatcher.decode")
         out = ops.decode(buffer, self.indices_, self.locations_, gates=self.gates_ if self.is_postscore else None)
         return out.to(self.original_dtype)
 
@@ -231,7 +242,8 @@ class GatingDecoder:
 
     @staticmethod
     def apply(config: TutelMoeFastDispatcher, expert_output: torch.Tensor, *gates_) -> torch.Tensor:
-        buffer = _as_expert_buffer(expert_output, config.num_global_experts, "tutel GatingDecoder")
+        buffer = _as_expert_buffer(expert_output, config.num_global_experts, config.capacity,
+                                   "tutel GatingDecoder")
         return ops.decode(buffer, config.indices_, config.locations_, gates=list(gates_) if gates_ else None)
 
 
