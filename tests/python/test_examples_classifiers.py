@@ -1,5 +1,6 @@
 """moe_mnist and moe_cifar10 learn, print Tutel's lines, read their data formats and draw the loss curve."""
 import gzip
+import importlib.util
 import logging
 import os
 import pickle
@@ -9,6 +10,8 @@ import sys
 
 import numpy
 import pytest
+
+from install_checks import require
 
 TRAIN = re.compile(r"^Train Epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\tLoss: ([0-9.]+)\tTrain Accuracy: (\d+)/(\d+) "
                    r"\(([0-9.]+)%\)$", re.M)
@@ -25,7 +28,7 @@ def _run(module, *args, cwd=None):
 
 
 def test_moe_mnist_learns_the_bundled_digits(tmp_path):
-    pytest.importorskip("sklearn")
+    require(importlib.util.find_spec("sklearn") is not None, "scikit-learn", "pip install '.[examples]'")
     plot = tmp_path / "curve.png"
     result = _run("moe_mnist", "--epochs", "6", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
