@@ -68,6 +68,27 @@ def data_and_model_groups():
 
 
 @checks.add
+def group_ranks_and_all_reduce_max_int():
+    """net.group_ranks lists a group's global ranks in group order; all_reduce_max_int is the
+    largest host integer over a group (WORLD, the model and data groups, a strided group)."""
+    w = world()
+    assert net.group_ranks() == list(range(w)) and net.group_ranks(dist.group.WORLD) == list(range(w))
+    value = 7 * ((rank() * 5 + 3) % w) - 2  # a different largest rank than the last one
+    expected = max(7 * ((r * 5 + 3) % w) - 2 for r in range(w))
+    result = net.all_reduce_max_int(value, torch.device("cpu"))
+    assert result == expected and isinstance(result, int), (result, expected)
+    assert net.all_reduce_max_int(-3 - rank(), torch.device("cpu")) == -3  # negative values
+    if w % 2 == 0:
+        env = net.create_groups_from_world(2)
+        model_members = [env.data_rank * (w // 2) + m for m in range(w // 2)]
+        data_members = [d * (w // 2) + env.model_rank for d in range(2)]
+        assert net.group_ranks(env.model_group) == model_members
+        assert net.group_ranks(env.data_group) == data_members
+        for group, members in ((env.model_group, model_members), (env.data_group, data_members)):
+            assert net.all_reduce_max_int(100 + rank(), torch.device("cpu"), group) == 100 + max(members)
+
+
+@checks.add
 def splitting_a_proper_subgroup():
     w = world()
     everyone = dist.new_group(list(range(w)))  # the same ranks as WORLD, but another group
