@@ -9,7 +9,6 @@ import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 from torch.utils import cpp_extension
 
 from install_checks import module_requires, require

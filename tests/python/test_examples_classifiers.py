@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import numpy
-import pytest
 
 from install_checks import require
 
