@@ -139,5 +139,8 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithKernels.with_options(use_ninja=True)},
     install_requires=["torch>=2.1"],
+    # pip install --no-build-isolation ".[examples]": what tutel.examples use besides PyTorch
+    # (moe_mnist's bundled digits, progress bars, loss curves).
+    extras_require={"examples": ["scikit-learn>=1.3", "tqdm>=4.60", "matplotlib>=3.5"]},
     zip_safe=False,
 )

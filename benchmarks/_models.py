@@ -37,6 +37,12 @@ def clear_grads(module: torch.nn.Module, *tensors: torch.Tensor) -> None:
         tensor.grad = None
 
 
+# Largest allowed |naive - moe_layer|, relative to the largest |output|: both sum the same k
+# weighted expert rows, in another order, and round to the data type (16-bit: a few units in
+# the last place of the largest output; float32: a few hundred float32 roundings).
+NAIVE_RELATIVE_BOUND = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
 class NaiveGShardLayer:
     """Top-k routing with dense one-hot masks, as GShard / fairseq's top2gating generalised to k:
     [T, E] masks per choice, cumsum locations, a [T, E, C] combine tensor, einsum dispatch and
@@ -51,22 +57,28 @@ class NaiveGShardLayer:
         logits = F.linear(x, self.gate_weight)
         probs = F.softmax(logits, dim=1)
         tokens, experts = probs.shape
-        top = torch.topk(probs, self.top_k, dim=1).indices
-        masks = [F.one_hot(top[:, j], experts).to(probs.dtype) for j in range(self.top_k)]
-        l_aux = torch.sum(probs.mean(dim=0) * masks[0].mean(dim=0)) * experts
-        gates = [(probs * mask).sum(dim=1) for mask in masks]
+        # Ties go to the lower expert index (moe_layer's rule; torch.topk leaves them unordered,
+        # and 16-bit probabilities tie often).
+        top = torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :self.top_k]
+        # Slot counting in integers: a 16-bit float counts exactly only up to 256 (bfloat16).
+        masks = [F.one_hot(top[:, j], experts) for j in range(self.top_k)]
+        l_aux = torch.sum(probs.mean(dim=0) * masks[0].to(probs.dtype).mean(dim=0)) * experts
+        # Gates in float32 at least, as fairseq's gating and moe_layer compute them.
+        gate_probs = probs.to(torch.promote_types(probs.dtype, torch.float32))
+        gates = [(gate_probs * mask).sum(dim=1) for mask in masks]
         if self.top_k > 1:
-            denominator = torch.clamp(sum(gates), min=torch.finfo(probs.dtype).eps)
+            denominator = torch.clamp(sum(gates), min=torch.finfo(gate_probs.dtype).eps)
             gates = [gate / denominator for gate in gates]
-        combine = x.new_zeros((tokens, experts, self.capacity))
-        filled = torch.zeros(experts, dtype=probs.dtype)
+        combine = x.new_zeros((tokens, experts, self.capacity), dtype=gate_probs.dtype)
+        filled = torch.zeros(experts, dtype=torch.int64)
         for mask, gate in zip(masks, gates):
             locations = torch.cumsum(mask, dim=0) - 1 + filled
             filled = filled + mask.sum(dim=0)
             mask = mask * (locations < self.capacity)
-            slot = (locations * mask).sum(dim=1).long()
+            slot = (locations * mask).sum(dim=1)
             combine = combine + (gate * mask.sum(dim=1))[:, None, None] * mask[:, :, None] * \
-                F.one_hot(slot, self.capacity).to(x.dtype)[:, None, :]
+                F.one_hot(slot, self.capacity)[:, None, :]
+        combine = combine.to(x.dtype)
         dispatch = (combine != 0).to(x.dtype)
         dispatched = torch.einsum("tec,tm->ecm", dispatch, x)
         expert_out = self.experts(dispatched, self.context)
@@ -123,11 +135,20 @@ class LayerCase:
         return steps
 
     def naive_difference(self) -> float:
-        """Largest |naive - moe_layer| over the outputs (they must compute the same function)."""
+        """Largest |naive - moe_layer| over the outputs; raises if it exceeds the dtype's bound
+        (they compute the same function, so a larger difference is a bug in one of them)."""
         with torch.no_grad():
             expected = self.layer(self.inputs["x"]).float()
             got = self.naive(self.inputs["x"])[0].float()
-        return float((expected - got).abs().max()) if expected.numel() else 0.0
+        if not expected.numel():
+            return 0.0
+        difference = float((expected - got).abs().max())
+        bound = NAIVE_RELATIVE_BOUND[self.dtype] * max(float(expected.abs().max()), 1e-30)
+        if not difference <= bound:
+            raise AssertionError(f"the naive layer differs from moe_layer by {difference:g} at {self.shape} in "
+                                 f"{self.dtype}, more than the bound {bound:g} (|output| <= "
+                                 f"{float(expected.abs().max()):g})")
+        return difference
 
     def inputs_only_for(self, name: str) -> Dict[str, torch.Tensor]:
         """Fresh inputs that `name`'s step reads (the others are not allocated)."""

@@ -33,9 +33,4 @@ def load_extension():
         else:
             reason = "tutel's compiled extension (tutel._C) is not built.\n"
         raise ImportError(reason + _HOW_TO_BUILD) from error
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    if os.path.dirname(os.path.abspath(_C.__file__)) != package_dir:
-        # An import hook (e.g. an editable install of another checkout) supplied another copy's binary.
-        raise ImportError(f"tutel's compiled extension (tutel._C) is not built.\n(the one found at {_C.__file__} "
-                          f"belongs to another copy of tutel)\n" + _HOW_TO_BUILD)
     return _C

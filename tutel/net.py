@@ -15,7 +15,7 @@ Variable sizes: ``batch_all_to_all_v``, ``batch_all_gather_v``.
 Optimizer: ``TutelDistributedOptimizer`` (ZeRO-1 style).
 
 Every function takes ``group`` (default WORLD, or any process group) and works on
-gloo (CPU) and NCCL (CUDA).  See tutel.impls.communicate for the modules behind them.
+gloo (CPU) and NCCL (CUDA).  See tutel.collectives for the modules behind them.
 """
-from .impls.communicate import *  # noqa: F401,F403  (the names listed above, and a few helpers)
-from .impls.communicate import __all__  # noqa: F401
+from .collectives import *  # noqa: F401,F403  (the names listed above, and a few helpers)
+from .collectives import __all__  # noqa: F401

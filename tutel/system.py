@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .impls.process_groups import ParallelEnv, create_groups_from_world, is_distributed, release_cached_groups
+from .collectives.process_groups import ParallelEnv, create_groups_from_world, is_distributed, release_cached_groups
 
 _session: Optional[ParallelEnv] = None
 _exit_hook_registered = False

@@ -1,7 +1,8 @@
-"""Shared fixtures: seeded randomness and per-dtype tolerances."""
+"""Shared fixtures: seeded randomness, per-dtype tolerances and hypothesis's profiles."""
 import os
 import sys
 
+import hypothesis
 import pytest
 import torch
 
@@ -17,6 +18,12 @@ TOLERANCES = {
 }
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+# Property tests: under CI=true hypothesis draws the same examples on every run (derandomize),
+# so a CI verdict is reproducible; elsewhere it explores new ones and replays failures it found.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI", "").lower() == "true":
+    hypothesis.settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

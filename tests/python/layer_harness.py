@@ -28,8 +28,12 @@ def ffn_expert_reference(experts, activation=torch.relu):
 
 def run_and_compare(layer, x, *, forward_kwargs=None, top_k, capacity_factor, alignment=1, activation=torch.relu,
                     tol=None, use_layer_logits=False, l_aux_weight=0.3, gate_reference=None,
-                    expert_reference=None):
+                    expert_reference=None, normalize_gate=True, is_postscore=True, batch_prioritized=False):
     """Forward + backward through `layer` and through the reference; asserts they agree.
+
+    normalize_gate / is_postscore / batch_prioritized are the options the test built the layer
+    with (moe_layer's defaults unless given): the reference takes them from the test, never from
+    the layer's attributes, so a constructor that dropped one of them fails here.
 
     gate_reference(gate) / expert_reference(experts) build the float64 reference pieces (default:
     the linear 'top' gate and 'ffn' experts).  With use_layer_logits the reference routes with the
@@ -56,8 +60,8 @@ def run_and_compare(layer, x, *, forward_kwargs=None, top_k, capacity_factor, al
     route_with = captured["logits"].detach() if use_layer_logits else None
     out64, l_aux64, capacity, kept = reference_moe.moe_forward(
         x64, logits_fn(x64), expert_fn, top_k, capacity_factor,
-        normalize_gate=layer.normalize_gate, is_postscore=layer.is_postscore,
-        batch_prioritized=layer.batch_prioritized_routing, alignment=alignment, route_with=route_with)
+        normalize_gate=normalize_gate, is_postscore=is_postscore,
+        batch_prioritized=batch_prioritized, alignment=alignment, route_with=route_with)
     out64 = out64.reshape(y.shape)
     ((out64 * upstream).sum() + l_aux_weight * l_aux64).backward()
 

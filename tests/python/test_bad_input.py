@@ -78,6 +78,35 @@ def test_decode_buffer_must_split_into_experts():
         moe.fast_decode(torch.rand(7, 3), crit)
 
 
+def _buffers_that_disagree_with(experts: int, capacity: int, model_dim: int = 5):
+    """Expert buffers whose row count divides by `experts` (so a plain reshape would succeed) but
+    whose experts x capacity is not the routing's."""
+    return [torch.rand(experts - 1, capacity, model_dim),             # [3, C, M] for 4 experts
+            torch.rand(experts, capacity + 1, model_dim),             # one slot too many
+            torch.rand(experts * (capacity + 1), model_dim),          # flat, one slot per expert too many
+            torch.rand(experts * 2, capacity // 2, model_dim)]        # same rows, other split
+
+
+def test_every_decode_entry_point_checks_experts_and_capacity():
+    experts = 4
+    crit, _ = moe.top_k_routing(torch.rand(12, experts).softmax(1), top_k=2, alignment=4)  # capacity 8
+    capacity = crit[4]
+    assert capacity % 2 == 0 and (experts - 1) * capacity % experts == 0, "the shapes below must divide evenly"
+    dispatcher = moe.fast_dispatcher(experts, capacity, 5, torch.float32)
+    dispatcher.update(crit[1], crit[2], crit[3], capacity=capacity)
+    from tutel.impls.fast_dispatch import GatingDecoder
+    decoders = {"fast_decode": lambda y: moe.fast_decode(y, crit),
+                "fast_dispatcher.decode": dispatcher.decode,
+                "GatingDecoder": lambda y: GatingDecoder.apply(dispatcher, y, *crit[3])}
+    for name, decode in decoders.items():
+        for buffer in _buffers_that_disagree_with(experts, capacity):
+            with pytest.raises(ValueError, match=f"num_global_experts={experts} and capacity={capacity}"):
+                decode(buffer)
+        # the routing's own shapes are accepted, [E, C, M] and [E*C, M]
+        assert decode(torch.rand(experts, capacity, 5)).shape == (12, 5), name
+        assert decode(torch.rand(experts * capacity, 5)).shape == (12, 5), name
+
+
 def test_direct_operator_calls_are_checked_too():
     idx = torch.zeros(1, 3, dtype=torch.int32)
     with pytest.raises(TypeError, match="indices"):

@@ -87,3 +87,18 @@ def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
         assert heading in text
     for sweep in ("tokens", "experts"):
         assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(2048, 4, 2), (300, 16, 1), (64, 8, 8)])
+def test_naive_layer_computes_the_layers_function(dtype, tokens, experts, top_k):
+    """The benchmark's naive GShard layer and moe_layer agree within the dtype's bound
+    (_models.NAIVE_RELATIVE_BOUND), also where a 16-bit float could not count an expert's
+    slots (loads > 256) and where 16-bit probabilities tie."""
+    load_script("layer")  # puts benchmarks/ on sys.path
+    import _models
+    case = _models.LayerCase(tokens, 32, 16, experts, top_k, dtype, seed=3)
+    difference = case.naive_difference()  # raises above the bound
+    with torch.no_grad():
+        scale = float(case.layer(case.inputs["x"]).abs().max())
+    assert difference <= _models.NAIVE_RELATIVE_BOUND[dtype] * scale

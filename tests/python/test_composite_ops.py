@@ -10,7 +10,7 @@ import reference
 from conftest import ALL_DTYPES, tolerance
 from tutel import ops
 from tutel.ops import composite
-from tutel.ops._checks import accumulation_dtype
+from tutel.ops.checks import accumulation_dtype
 from tutel.ops.backend import operators_for, use_operators
 
 native = torch.ops.tutel

@@ -9,9 +9,9 @@ import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 from torch.utils import cpp_extension
 
+from install_checks import module_requires, require
 from tutel.cuda_libraries import cuda_include_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,8 +31,15 @@ def header_dir(name):
 
 CUDA_INCLUDE = header_dir("cuda.h")
 NVRTC_INCLUDE = header_dir("nvrtc.h")
-pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++) found")
-needs_cuda_headers = pytest.mark.skipif(CUDA_INCLUDE is None, reason="CUDA headers (cuda.h) not found; set CUDA_HOME")
+_needs_compiler = module_requires(COMPILER is not None, "a C++ compiler (g++)", "apt-get install g++")
+
+
+def require_cuda_headers(*names):
+    """The test needs the named CUDA headers (cuda.h: nvidia-cuda-runtime; nvrtc.h: nvidia-cuda-nvrtc)."""
+    found = {"cuda.h": CUDA_INCLUDE, "nvrtc.h": NVRTC_INCLUDE}
+    for name in names:
+        require(found[name] is not None, f"the CUDA header {name}",
+                "pip install nvidia-cuda-runtime nvidia-cuda-nvrtc, or set CUDA_HOME")
 
 
 def syntax_check(source, extra_flags, include_dirs):
@@ -56,16 +63,14 @@ def test_framework_free_host_code_compiles_cleanly():
     run_all([(source, ["-Wall", "-Wextra"], []) for source in sources])
 
 
-@needs_cuda_headers
 def test_abi_declarations_match_the_cuda_headers():
-    if NVRTC_INCLUDE is None:
-        pytest.skip("nvrtc.h not found (pip install nvidia-cuda-nvrtc, or set CUDA_HOME)")
+    require_cuda_headers("cuda.h", "nvrtc.h")
     run_all([(os.path.join(ROOT, "tests", "abi", "cuda_abi_check.cpp"), ["-Wall"],
               [CUDA_INCLUDE, NVRTC_INCLUDE])])
 
 
-@needs_cuda_headers
 def test_operator_code_and_embedded_kernels_compile(tmp_path):
+    require_cuda_headers("cuda.h")
     generated = tmp_path / "kernel_sources.cpp"
     embed_kernels.write_if_changed(os.path.join(ROOT, "kernels"), str(generated))
     include_dirs = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], CUDA_INCLUDE]

@@ -16,10 +16,11 @@ pytestmark = pytest.mark.skipif(not cuda_available, reason="needs a CUDA device"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Waits for the file named by argv[1] (so that several workers start together),
-# then runs every kernel family once and prints a digest of the results.
+# Announces itself with the file argv[2], waits for the file argv[1] (so that several workers
+# start together), then runs every kernel family once and prints a digest of the results.
 WORKER = r"""
 import os, sys, time
+open(sys.argv[2], "w").close()
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.01)
 import torch
@@ -39,9 +40,12 @@ print(repr(float(y.double().sum())), repr(float(c.sum())), "cache=" + tutel.cuda
 def run_workers(count, env, tmp_path):
     go = tmp_path / f"go-{time.monotonic_ns()}"
     environment = {**os.environ, **env, "PYTHONPATH": ROOT}
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(go)], env=environment, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(count)]
-    time.sleep(0.5)
+    ready = [tmp_path / f"{go.name}-ready-{index}" for index in range(count)]
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(go), str(flag)], env=environment, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for flag in ready]
+    deadline = time.monotonic() + 120  # generous: only reached if a worker fails to start
+    while not all(flag.exists() for flag in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)  # every worker waits at the start line: then they start together
     go.touch()
     results = [worker.communicate(timeout=600) for worker in workers]
     for worker, (out, err) in zip(workers, results):

@@ -4,7 +4,7 @@ decode training step can be captured in a CUDA graph.  Skipped without CUDA."""
 import pytest
 import torch
 
-from conftest import ALL_DTYPES
+from conftest import ALL_DTYPES, tolerance
 from cuda_compare import assert_data_matches, assert_dots_match, assert_identical, cuda_available
 from tutel import moe
 
@@ -44,13 +44,15 @@ def test_routing_api_equals_cpu(tokens, experts, top_k, model_dim, dtype, capaci
     torch.testing.assert_close(g_l_aux.cpu(), l_aux, rtol=1e-5, atol=1e-6)
     assert_data_matches(dispatched.detach(), g_dispatched.detach(), "fast_encode")
     assert_data_matches(x_grad, g_x_grad, "x.grad")
-    # decode's output and the score gradient involve the gate gradient, a dot product.
-    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(g_combined.detach().cpu(), combined.detach(), **tolerance)
+    # decode sums k weighted rows in the accumulation type; the score gradient adds a dot product
+    # over model_dim.  Both devices sum in another order: float32 / float64 agree to their own
+    # rounding, 16-bit results to one rounding of the 16-bit type.
     if dtype in (torch.float32, torch.float64):
+        assert_dots_match(combined.detach(), g_combined.detach(), "fast_decode")
         assert_dots_match(scores_grad, g_scores_grad, "scores.grad")
     else:
-        torch.testing.assert_close(g_scores_grad.cpu(), scores_grad, rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(g_combined.detach().cpu(), combined.detach(), **tolerance(dtype))
+        torch.testing.assert_close(g_scores_grad.cpu(), scores_grad, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("batch_prioritized", [False, True])

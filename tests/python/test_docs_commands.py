@@ -27,6 +27,8 @@ COMMAND_WORDS = ("PYTHONPATH=", "python", "python3", "bash", "pip", "mpiexec", "
 # (regex on the command, how it is exercised, detail)
 RULES = [
     (r"^pip install --no-build-isolation \.$", "RUN", "test_pip_install_builds_an_importable_package"),
+    (r"^pip install --no-build-isolation \.\[examples\]$", "COVERED",
+     "tests/python/test_examples_classifiers.py::test_moe_mnist_without_scikit_learn_names_the_examples_extra"),
     (r"^python3 -c .import tutel\.cuda", "RUN", "test_small_commands_run"),
     (r"^python3 -m tutel\.checkpoint\.(gather|scatter) ", "RUN", "test_checkpoint_page_runs_as_written"),
     (r"^bash examples/run_demo\.sh$", "COVERED",

@@ -1,5 +1,6 @@
 """moe_mnist and moe_cifar10 learn, print Tutel's lines, read their data formats and draw the loss curve."""
 import gzip
+import importlib.util
 import logging
 import os
 import pickle
@@ -8,7 +9,8 @@ import subprocess
 import sys
 
 import numpy
-import pytest
+
+from install_checks import require
 
 TRAIN = re.compile(r"^Train Epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\tLoss: ([0-9.]+)\tTrain Accuracy: (\d+)/(\d+) "
                    r"\(([0-9.]+)%\)$", re.M)
@@ -24,8 +26,20 @@ def _run(module, *args, cwd=None):
     return result
 
 
+def test_moe_mnist_without_scikit_learn_names_the_examples_extra(tmp_path):
+    """Without scikit-learn, moe_mnist says how to get it: the `examples` extra that setup.py declares."""
+    blocked = ("import runpy, sys; sys.modules['sklearn'] = None; sys.argv = ['moe_mnist', '--device', 'cpu']; "
+               "runpy.run_module('tutel.examples.moe_mnist', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert result.returncode != 0 and 'pip install --no-build-isolation ".[examples]"' in result.stderr, result.stderr
+    setup_py = open(os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")).read()
+    match = re.search(r'extras_require=\{"examples": \[([^\]]*)\]', setup_py)
+    assert match and '"scikit-learn' in match.group(1), "setup.py must declare the examples extra"
+
+
 def test_moe_mnist_learns_the_bundled_digits(tmp_path):
-    pytest.importorskip("sklearn")
+    require(importlib.util.find_spec("sklearn") is not None, "scikit-learn", "pip install '.[examples]'")
     plot = tmp_path / "curve.png"
     result = _run("moe_mnist", "--epochs", "6", "--plot", str(plot))
     assert result.returncode == 0, result.stderr

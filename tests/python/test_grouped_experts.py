@@ -56,13 +56,14 @@ def test_grouped_path_options(option):
     activation = torch.nn.functional.gelu if option == "gelu" else torch.relu
     if option == "gelu":
         extra["activation_fn"] = activation
-    layer = make_layer(5, 2, 0.5 if option == "bpr_drops" else 0.0, is_postscore=option != "prescore",
-                       batch_prioritized_routing=option == "bpr_drops", expert_extra=extra)
+    is_postscore, bpr = option != "prescore", option == "bpr_drops"
+    layer = make_layer(5, 2, 0.5 if bpr else 0.0, is_postscore=is_postscore, batch_prioritized_routing=bpr,
+                       expert_extra=extra)
     calls = record_grouped_calls(layer)
     x = torch.randn(41, 10, dtype=torch.float64)
     capacity, kept = run_and_compare(layer, x, forward_kwargs=dict(megablocks_size=2), top_k=2,
-                                     capacity_factor=0.5 if option == "bpr_drops" else 0.0, alignment=2,
-                                     activation=activation)
+                                     capacity_factor=0.5 if bpr else 0.0, alignment=2,
+                                     activation=activation, is_postscore=is_postscore, batch_prioritized=bpr)
     assert len(calls) == 1
     if option == "bpr_drops":
         assert not bool(kept.all())

@@ -31,11 +31,12 @@ def test_matches_reference(experts, k, capacity_factor):
                                     "bpr_capped"])
 def test_layer_options(option):
     capacity_factor = {"bpr_drops": 0.5, "bpr_dropless": 0.0, "bpr_capped": -0.6}.get(option, 0.75)
-    layer = make_layer(5, 2, capacity_factor, bias=option != "no_bias",
-                       normalize_gate=option != "no_normalize", is_postscore=option != "prescore",
-                       batch_prioritized_routing=option.startswith("bpr"))
+    options = dict(normalize_gate=option != "no_normalize", is_postscore=option != "prescore")
+    bpr = option.startswith("bpr")
+    layer = make_layer(5, 2, capacity_factor, bias=option != "no_bias", batch_prioritized_routing=bpr, **options)
     x = torch.randn(41, 10, dtype=torch.float64)
-    capacity, kept = run_and_compare(layer, x, top_k=2, capacity_factor=capacity_factor)
+    capacity, kept = run_and_compare(layer, x, top_k=2, capacity_factor=capacity_factor, batch_prioritized=bpr,
+                                     **options)
     if option == "bpr_drops":
         assert not bool(kept.all())  # the test exercises dropping
     if option == "bpr_dropless":

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from install_checks import module_requires
 from nvrtc_ctypes import KERNELS, ROOT, Nvrtc, kernel_files, kernel_variants
 from tutel.cuda_libraries import nvrtc_search_dirs
 
@@ -24,7 +25,7 @@ def find_nvrtc():
 
 
 NVRTC_PATH = find_nvrtc()
-pytestmark = pytest.mark.skipif(NVRTC_PATH is None, reason="NVRTC not found (pip install nvidia-cuda-nvrtc)")
+_needs_nvrtc = module_requires(NVRTC_PATH is not None, "NVRTC", "pip install nvidia-cuda-nvrtc")
 
 
 def common_options():

@@ -2,7 +2,7 @@
 import torch
 
 from tutel import system
-from tutel.impls.process_groups import ParallelEnv
+from tutel.collectives.process_groups import ParallelEnv
 
 
 def two_process_session() -> ParallelEnv:

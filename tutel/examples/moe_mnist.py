@@ -76,8 +76,9 @@ def load_digits(seed: int = 0) -> Tuple[Dataset, Dataset]:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError:
-        raise SystemExit("moe_mnist needs scikit-learn for its bundled digits (pip install scikit-learn), "
-                         "or a local MNIST copy: --mnist-dir DIR") from None
+        raise SystemExit("moe_mnist needs scikit-learn for its bundled digits: install tutel's examples extra "
+                         "(pip install --no-build-isolation \".[examples]\" in the tutel checkout) or "
+                         "pip install scikit-learn; or give a local MNIST copy: --mnist-dir DIR") from None
     digits = sklearn_digits()
     images = _normalise(digits.images, 16.0)
     labels = torch.from_numpy(digits.target.astype(numpy.int64))

@@ -7,10 +7,12 @@ called as ``forward(x [local_experts, tokens, *features], ctx)`` where ``ctx``
 is the MoE layer (it exposes ``sharded_count``, ``adaptive_degree``, ``group``,
 ``num_global_experts``, ``model_dim``, ``megablocks_size``, ``dispatch_count``).
 """
+from ._grouped import run_grouped_experts, supports_grouped
 from .clamped_swiglu import ClampedSwiGLUExperts
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
 from .routed import routed_experts
 from .shared import SharedExperts
 
-__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts"]
+__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts",
+           "run_grouped_experts", "supports_grouped"]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..impls.capacity import align_up
 
 
 def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
@@ -20,7 +21,7 @@ def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> Li
 
     Reads the counts on the host (one synchronisation, by design: the shapes depend on them)."""
     loads = dispatch_count.tolist()
-    return [min(-(-int(load) // block) * block, capacity) for load in loads]
+    return [min(align_up(int(load), block), capacity) for load in loads]
 
 
 def supports_grouped(experts: torch.nn.Module) -> bool:

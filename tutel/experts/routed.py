@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..impls.autocast import autocast_dtype
-from ..ops._checks import require_dim, require_floating, require_tensor
+from ..ops.checks import require_dim, require_floating, require_tensor
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype
 

@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import torch
 
-from ..impls.autograd_collectives import zero_gather
-from ..impls.process_groups import create_groups_from_world
+from ..collectives.autograd_collectives import zero_gather
+from ..collectives.process_groups import create_groups_from_world
 
 
 def _gather_over(param: Optional[torch.Tensor], group, leading: int) -> Optional[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..impls.simple_collectives import simple_all_reduce
+from ..collectives.simple_collectives import simple_all_reduce
 
 DEFAULT_UPDATE_RATE = 1e-3  # DeepSeek-V3's bias update speed for most of its pre-training
 

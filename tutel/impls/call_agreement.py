@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .simple_collectives import simple_all_reduce
+from ..collectives.simple_collectives import simple_all_reduce
 
 
 def _skip() -> bool:

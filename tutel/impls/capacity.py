@@ -1,6 +1,7 @@
 """Tutel's capacity rule: how many slots each expert's buffer has.
 
-This is the single implementation of the rule; every path (routing API, MoE
+This is the single implementation of the rule and of rounding up to an
+alignment (``align_up``, also used for the grouped experts' blocks); every path (routing API, MoE
 layer, distributed layer) calls it.  It is plain host integer arithmetic, so
 torch.compile can trace the static (capacity_factor > 0) case without a
 device synchronisation.
@@ -17,6 +18,15 @@ def align_up(value: int, alignment: int) -> int:
     """Smallest multiple of `alignment` that is >= value."""
     remainder = value % alignment
     return value if remainder == 0 else value + alignment - remainder
+
+
+def capacity_alignment(sharded_count: int, overlap_degree: int, megablocks_size: int) -> int:
+    """Multiple the capacity is rounded up to, so buffers split evenly over the processes sharing an
+    expert and the overlap chunks, and into megablocks blocks (above 256, also to a multiple of 128)."""
+    alignment = align_up(sharded_count * overlap_degree, max(megablocks_size, 1))
+    if alignment > 256:
+        alignment = align_up(alignment, 128)
+    return alignment
 
 
 def expert_capacity(capacity_factor: float, top_k: int, num_tokens: int, num_experts: int,

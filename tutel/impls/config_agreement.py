@@ -10,8 +10,8 @@ from typing import Dict, List
 
 import torch
 
-from .process_groups import group_ranks
-from .simple_collectives import simple_all_gather
+from ..collectives.process_groups import group_ranks
+from ..collectives.simple_collectives import simple_all_gather
 
 
 def layer_fingerprint(layer) -> Dict[str, int]:

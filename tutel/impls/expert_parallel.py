@@ -20,7 +20,7 @@ from typing import List, Sequence
 
 import torch
 
-from .autograd_collectives import all_to_all
+from ..collectives.autograd_collectives import all_to_all
 
 
 def run_experts_distributed(layer, y: torch.Tensor, reserve_shape: Sequence[int], overlap: int,

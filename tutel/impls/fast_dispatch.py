@@ -12,17 +12,18 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import ops
-from ..ops._checks import (
+from ..ops.checks import (
     as_slot_tensor,
     require_dim,
     require_finite_number,
     require_floating,
     require_int,
+    require_top_k,
     stack_choices,
 )
 from . import losses
 from .capacity import expert_capacity, realtime_capacity_factor
-from .communicate import all_reduce_max_int, get_world_rank
+from ..collectives import all_reduce_max_int, get_world_rank
 
 logger = logging.getLogger("tutel")
 
@@ -89,10 +90,7 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
     require_floating(scores, "scores", where)
     require_dim(scores, 2, "scores", where)
     num_tokens, num_experts = int(scores.shape[0]), int(scores.shape[1])
-    top_k = require_int(top_k, "top_k", where, minimum=1)
-    if top_k > num_experts:
-        raise ValueError(f"{where}: top_k={top_k} exceeds num_global_experts={num_experts}; "
-                         f"allowed: 1 <= top_k <= {num_experts}")
+    top_k = require_top_k(top_k, num_experts, where)
     capacity_factor = require_finite_number(capacity_factor, "capacity_factor", where)
     alignment = require_int(alignment, "alignment", where, minimum=1)
 
@@ -158,22 +156,32 @@ def fast_decode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
 
     With ``is_postscore=True`` (default) the gates weight the expert outputs here.
     """
-    num_experts, indices_s, locations_s, gates_s = critical_data[:4]
+    num_experts, indices_s, locations_s, gates_s, capacity = critical_data[:5]
     indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_decode")
-    return ops.decode(_as_expert_buffer(data, num_experts, "tutel.moe.fast_decode"), indices, locations,
+    capacity = require_int(capacity, "capacity", "tutel.moe.fast_decode")
+    return ops.decode(_as_expert_buffer(data, num_experts, capacity, "tutel.moe.fast_decode"), indices, locations,
                       gates=gates_s if is_postscore else None)
 
 
-def _as_expert_buffer(data: torch.Tensor, num_experts: int, where: str) -> torch.Tensor:
+def _as_expert_buffer(data: torch.Tensor, num_experts: int, capacity: int, where: str) -> torch.Tensor:
+    """`data` as the [E, C, M] buffer of the routing (E experts, C slots each).
+
+    Accepts [E, C, M] or the flat [E*C, M]; any other shape raises naming both the buffer's
+    shape and the routing's experts and capacity (a buffer whose rows merely divide by E would
+    otherwise be reshaped to the wrong capacity)."""
     require_floating(data, "data", where)
-    if data.dim() < 2:
-        raise ValueError(f"{where}: `data` must be [E, C, M] or [E*C, M], got shape {tuple(data.shape)}")
-    model_dim = data.shape[-1]
-    rows = data.numel() // max(1, model_dim)
-    if rows % num_experts != 0:
-        raise ValueError(f"{where}: `data` of shape {tuple(data.shape)} does not split into "
-                         f"num_global_experts={num_experts} equal expert buffers")
-    return data.reshape(num_experts, rows // num_experts, model_dim)
+    expected = (num_experts, capacity)
+    if data.dim() == 3:
+        fits = tuple(data.shape[:2]) == expected
+    elif data.dim() == 2:
+        fits = data.shape[0] == num_experts * capacity
+    else:
+        fits = False
+    if not fits:
+        raise ValueError(f"{where}: `data` of shape {tuple(data.shape)} is not the routing's expert buffer: the "
+                         f"routing has num_global_experts={num_experts} and capacity={capacity}, so `data` must be "
+                         f"[{num_experts}, {capacity}, M] or [{num_experts * capacity}, M]")
+    return data.reshape(num_experts, capacity, data.shape[-1])
 
 
 class TutelMoeFastDispatcher:
@@ -216,7 +224,8 @@ class TutelMoeFastDispatcher:
         return out.reshape(-1, out.shape[-1]).to(self.original_dtype)
 
     def decode(self, data: torch.Tensor) -> torch.Tensor:
-        buffer = _as_expert_buffer(data.to(self.dtype), self.num_global_experts, "tutel.moe.fast_dispatcher.decode")
+        buffer = _as_expert_buffer(data.to(self.dtype), self.num_global_experts, self.capacity,
+                                   "tutel.moe.fast_dispatcher.decode")
         out = ops.decode(buffer, self.indices_, self.locations_, gates=self.gates_ if self.is_postscore else None)
         return out.to(self.original_dtype)
 
@@ -241,7 +250,8 @@ class GatingDecoder:
 
     @staticmethod
     def apply(config: TutelMoeFastDispatcher, expert_output: torch.Tensor, *gates_) -> torch.Tensor:
-        buffer = _as_expert_buffer(expert_output, config.num_global_experts, "tutel GatingDecoder")
+        buffer = _as_expert_buffer(expert_output, config.num_global_experts, config.capacity,
+                                   "tutel GatingDecoder")
         return ops.decode(buffer, config.indices_, config.locations_, gates=list(gates_) if gates_ else None)
 
 

@@ -1,7 +1,7 @@
 """Parsing and validation of moe_layer(...) constructor arguments.
 
-Each rule lives here once: the global expert count, the parallel type, the
-capacity alignment, and how gate / expert dicts turn into modules.
+Each rule lives here once: the parallel type, and how gate / expert dicts turn into
+modules.  The expert counts live in placement.py, the capacity alignment in capacity.py.
 """
 import importlib
 import os
@@ -17,39 +17,6 @@ from ..gates.scoring import OPTION_NAMES, check_top_k, pop_routing_options
 
 GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "router_bias") + OPTION_NAMES
 _NAME = re.compile(r"^[a-zA-Z0-9_]+$")
-
-
-def local_expert_count(value) -> int:
-    """Experts per process: n > 0 whole experts, -n: n processes share one expert.
-
-    A float 1/n (Tutel's old ``count_per_node: 0.5`` syntax) means -n; -1 means 1."""
-    if isinstance(value, bool):
-        raise TypeError(f"num_experts_per_device must be an integer, got {value!r}")
-    if isinstance(value, float):
-        if value.is_integer():
-            value = int(value)
-        elif 0 < value < 1 and abs(1 / value - round(1 / value)) < 1e-6:
-            value = -int(round(1 / value))
-        else:
-            raise ValueError(f"num_experts_per_device={value} is not allowed: use an integer n > 0 "
-                             f"(experts per process) or -n (n processes share one expert)")
-    if not isinstance(value, int):
-        raise TypeError(f"num_experts_per_device must be an integer, got {type(value).__name__}")
-    if value == 0:
-        raise ValueError("num_experts_per_device=0 is not allowed: use n > 0 experts per process or -n "
-                         "for n processes sharing one expert")
-    return 1 if value == -1 else value
-
-
-def global_expert_count(num_local_experts: int, world_size: int) -> int:
-    """Total experts E over `world_size` processes holding `num_local_experts` each."""
-    if num_local_experts > 0:
-        return num_local_experts * world_size
-    share = -num_local_experts
-    if world_size % share != 0:
-        raise ValueError(f"num_experts_per_device={num_local_experts} asks {share} processes to share each "
-                         f"expert, but the group has {world_size} processes (must be a multiple of {share})")
-    return world_size // share
 
 
 def valid_adaptive_rs(sharded_count: int) -> List[int]:
@@ -77,16 +44,6 @@ def parse_parallel_type(parallel_type: str, sharded_count: int) -> int:
         return sharded_count
     raise ValueError(f"Unrecognized parallel type specified: {parallel_type!r}; allowed: 'adaptive:<r>' "
                      f"with r in {valid}, 'data', 'model', 'auto'")
-
-
-def capacity_alignment(sharded_count: int, overlap_degree: int, megablocks_size: int) -> int:
-    """Multiple the capacity is rounded up to, so buffers split evenly over the processes sharing an
-    expert and the overlap chunks, and into megablocks blocks."""
-    block = max(megablocks_size, 1)
-    alignment = -(-(sharded_count * overlap_degree) // block) * block
-    if alignment > 256:
-        alignment = -(-alignment // 128) * 128
-    return alignment
 
 
 def gate_configs(gate_type) -> List[Dict[str, Any]]:
@@ -181,15 +138,8 @@ def build_experts(config: Dict[str, Any], model_dim: int, num_local_experts: int
         return experts
 
 
-def pop_local_expert_count(experts: Dict[str, Any]) -> int:
-    """Removes and returns the per-process expert count (count_per_node wins over num_experts_per_device)."""
-    if "count_per_node" in experts:
-        experts.pop("num_experts_per_device", None)
-        return local_expert_count(experts.pop("count_per_node"))
-    return local_expert_count(experts.pop("num_experts_per_device", 1))
-
-
 def reject_unknown_layer_arguments(kwargs: Dict[str, Any]) -> None:
+    """Raises for a constructor argument moe_layer does not know, with a hint where a gate option belongs."""
     if "pad_samples" in kwargs:
         warnings.warn("`pad_samples` has been deprecated and is ignored: tokens are never padded",
                       DeprecationWarning, stacklevel=3)

@@ -26,8 +26,13 @@ def gshard_loss(scores_w_noise: torch.Tensor, top_ids: torch.Tensor) -> torch.Te
     return torch.sum(mean_probability * first_choice_share) * num_experts
 
 
+def _accumulation(values: torch.Tensor) -> torch.Tensor:
+    """float64 stays float64 (the layer computes float64 in float64); everything else in float32."""
+    return values if values.dtype == torch.float64 else values.float()
+
+
 def _squared_coefficient_of_variation(values: torch.Tensor) -> torch.Tensor:
-    values = values.float()
+    values = _accumulation(values)
     if values.numel() < 2:
         return values.sum() * 0
     return values.var() / (values.mean() ** 2 + 1e-10)
@@ -61,9 +66,9 @@ def load_importance_loss(scores_wo_noise: torch.Tensor, topk_logits: torch.Tenso
     if num_tokens == 0:
         return scores_wo_noise.sum() * 0
     top_k = topk_logits.shape[1]
-    l_importance = _squared_coefficient_of_variation(scores_wo_noise.float().sum(dim=0))
+    l_importance = _squared_coefficient_of_variation(_accumulation(scores_wo_noise).sum(dim=0))
 
-    noisy = noisy_logits.float()
+    noisy = _accumulation(noisy_logits)
     ranked = torch.topk(noisy, min(top_k + 1, num_global_experts), dim=1)
     kth = ranked.values[:, top_k - 1:top_k]  # k-th largest noisy logit
     if top_k < num_global_experts:
@@ -76,6 +81,6 @@ def load_importance_loss(scores_wo_noise: torch.Tensor, topk_logits: torch.Tenso
     threshold = torch.where(in_top_k, next_after, kth)
     sigma = gate_noise / num_global_experts
     normal = torch.distributions.Normal(0.0, sigma)
-    probability = normal.cdf(logits_wo_noise.float() - threshold)
+    probability = normal.cdf(_accumulation(logits_wo_noise) - threshold)
     l_load = _squared_coefficient_of_variation(probability.sum(dim=0))
     return (l_importance + l_load) / 2.0

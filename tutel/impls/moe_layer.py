@@ -1,5 +1,6 @@
 """The MoE layer: ``tutel.moe.moe_layer`` (class ``MOELayer``)."""
 import contextlib
+import dataclasses
 import math
 import os
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -7,32 +8,33 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..experts._grouped import run_grouped_experts, supports_grouped
+from ..collectives import get_world_size
+from ..experts import run_grouped_experts, supports_grouped
 from ..experts.shared import pop_shared_experts
-from ..ops._checks import require_finite_number, require_int
+from ..ops.checks import require_finite_number, require_int, require_tensor, require_top_k
 from . import losses
 from .autocast import autocast_dtype, without_autocast
-from .capacity import expert_capacity
+from .capacity import capacity_alignment, expert_capacity
 from .call_agreement import agree_on_call
 from .config_agreement import check_same_configuration
-from .communicate import get_world_size
 from .fast_dispatch import extract_critical, fast_decode, fast_encode, get_dispatch_count
-from .layer_config import (
-    build_experts,
-    build_gate,
-    capacity_alignment,
-    gate_configs,
-    global_expert_count,
-    local_expert_count,
-    parse_parallel_type,
-    pop_local_expert_count,
-    reject_unknown_layer_arguments,
-    valid_adaptive_rs,
-)
-from .placement import Placement
+from .layer_config import build_experts, build_gate, gate_configs, parse_parallel_type, reject_unknown_layer_arguments, \
+    valid_adaptive_rs
+from .placement import Placement, global_expert_count, local_expert_count, pop_local_expert_count
 from .scored_routing import route_scored
 from .state_loading import load_moe_state, register_placement_record
 
+
+@dataclasses.dataclass(frozen=True)
+class CallSettings:
+    """One forward call's resolved switches (the call's arguments, or the layer's / gate's defaults)."""
+
+    gate: torch.nn.Module
+    top_k: int
+    capacity_factor: float
+    overlap: int          # a2a_ffn_overlap_degree
+    adaptive_r: int
+    megablocks_size: int  # 0 when the grouped path is off (or cannot run on several processes)
 
 
 def _default_group(group):
@@ -219,9 +221,9 @@ class MOELayer(torch.nn.Module):
             return self.result_func(output) if self.result_func is not None else output
 
         where = "moe_layer.forward"
-        settings = self._call_settings(input, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree,
-                                       reserve_dims, adaptive_r, megablocks_size, where)
-        gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size = settings
+        call = self._call_settings(input, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree,
+                                   reserve_dims, adaptive_r, megablocks_size, where)
+        gate, overlap, adaptive_r, megablocks_size = call.gate, call.overlap, call.adaptive_r, call.megablocks_size
         original_shape, original_dtype = input.shape, input.dtype
         reserve_shape = original_shape[-reserve_dims:]
 
@@ -230,7 +232,7 @@ class MOELayer(torch.nn.Module):
         # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
         sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
         with without_autocast(x.device.type):
-            crit, l_aux = self._route(x, gate, top_k, capacity_factor, overlap, megablocks_size,
+            crit, l_aux = self._route(x, gate, call.top_k, call.capacity_factor, overlap, megablocks_size,
                                       inequivalent_tokens, sequence_length)
 
         if self.world_size > 1:
@@ -255,10 +257,9 @@ class MOELayer(torch.nn.Module):
         return self.result_func(output) if self.result_func is not None else output
 
     def _call_settings(self, input, gate_index, capacity_factor, top_k, overlap, reserve_dims, adaptive_r,
-                       megablocks_size, where):
+                       megablocks_size, where) -> "CallSettings":
         """Validates one call's arguments and resolves the defaults."""
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"{where}: `input` must be a torch.Tensor, got {type(input).__name__}")
+        require_tensor(input, "input", where)
         if not input.is_floating_point():
             raise TypeError(f"{where}: `input` must be a floating-point tensor, got {input.dtype}")
         if input.dim() < 2:
@@ -281,10 +282,7 @@ class MOELayer(torch.nn.Module):
         if top_k is None:
             top_k = gate.top_k
         else:
-            top_k = require_int(top_k, "top_k", where, minimum=1)
-            if top_k > num_experts:
-                raise ValueError(f"{where}: top_k={top_k} exceeds num_global_experts={num_experts}; "
-                                 f"allowed: 1 <= top_k <= {num_experts}")
+            top_k = require_top_k(top_k, num_experts, where)
         if capacity_factor is None:
             capacity_factor = gate.capacity_factor
         capacity_factor = require_finite_number(capacity_factor, "capacity_factor", where)
@@ -307,7 +305,7 @@ class MOELayer(torch.nn.Module):
         megablocks_size = require_int(megablocks_size, "megablocks_size", where, minimum=0)
         if megablocks_size > 0 and self.world_size > 1:
             megablocks_size = 0  # the grouped path needs every expert's load on this process
-        return gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size
+        return CallSettings(gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         """Autocast's dtype when autocast is on, else the experts' parameter dtype (else x's)."""

@@ -5,14 +5,58 @@ experts (process r: experts r*L .. r*L + L - 1); with W > E the S = W / E consec
 processes r = e*S .. e*S + S - 1 share expert e, process r holding slice r % S of it.
 The MoE layer derives its local expert count and shard count from this class, and the
 checkpoint tools use it to map files to experts, so both sides follow one rule.
+
+The layer's expert-count argument follows Tutel's convention, also handled here: n > 0
+experts per process, or -n for n processes sharing one expert.
 """
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 
 def valid_world_sizes(num_experts: int, limit: int = 64) -> List[int]:
     """World sizes (up to `limit`) that can hold `num_experts` experts: divisors and multiples of it."""
     return [w for w in range(1, limit + 1) if num_experts % w == 0 or w % num_experts == 0]
+
+
+def local_expert_count(value) -> int:
+    """Experts per process: n > 0 whole experts, -n: n processes share one expert.
+
+    A float 1/n (Tutel's old ``count_per_node: 0.5`` syntax) means -n; -1 means 1."""
+    if isinstance(value, bool):
+        raise TypeError(f"num_experts_per_device must be an integer, got {value!r}")
+    if isinstance(value, float):
+        if value.is_integer():
+            value = int(value)
+        elif 0 < value < 1 and abs(1 / value - round(1 / value)) < 1e-6:
+            value = -int(round(1 / value))
+        else:
+            raise ValueError(f"num_experts_per_device={value} is not allowed: use an integer n > 0 "
+                             f"(experts per process) or -n (n processes share one expert)")
+    if not isinstance(value, int):
+        raise TypeError(f"num_experts_per_device must be an integer, got {type(value).__name__}")
+    if value == 0:
+        raise ValueError("num_experts_per_device=0 is not allowed: use n > 0 experts per process or -n "
+                         "for n processes sharing one expert")
+    return 1 if value == -1 else value
+
+
+def global_expert_count(num_local_experts: int, world_size: int) -> int:
+    """Total experts E over `world_size` processes holding `num_local_experts` each."""
+    if num_local_experts > 0:
+        return num_local_experts * world_size
+    share = -num_local_experts
+    if world_size % share != 0:
+        raise ValueError(f"num_experts_per_device={num_local_experts} asks {share} processes to share each "
+                         f"expert, but the group has {world_size} processes (must be a multiple of {share})")
+    return world_size // share
+
+
+def pop_local_expert_count(experts: Dict[str, Any]) -> int:
+    """Removes and returns the per-process expert count (count_per_node wins over num_experts_per_device)."""
+    if "count_per_node" in experts:
+        experts.pop("num_experts_per_device", None)
+        return local_expert_count(experts.pop("count_per_node"))
+    return local_expert_count(experts.pop("num_experts_per_device", 1))
 
 
 @dataclass(frozen=True)

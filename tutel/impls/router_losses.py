@@ -6,7 +6,7 @@ normalised over all experts (softmax probabilities, or sigmoid scores divided by
 """
 import torch
 
-from .simple_collectives import simple_all_reduce
+from ..collectives.simple_collectives import simple_all_reduce
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from ..checkpoint.loading import local_expert_state, register_placement_record
+from ..checkpoint.layer_state import local_expert_state, register_placement_record
 
 logger = logging.getLogger("tutel")
 

@@ -1,7 +1,7 @@
 """Cumulative sum minus one: each token's slot for a one-hot routing mask."""
 import torch
 
-from ._checks import require_int, require_tensor
+from .checks import require_int, require_tensor
 from .backend import operators_for
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import (
+from .checks import (
     accumulation_dtype,
     as_slot_tensor,
     require_dim,

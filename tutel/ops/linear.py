@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..impls.autocast import autocast_dtype
-from ._checks import require_dim, require_floating
+from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
 from .precision import gemm_dtype

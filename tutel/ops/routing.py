@@ -3,7 +3,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import as_slot_tensor, require_dim, require_floating, require_int, same_device
+from .checks import as_slot_tensor, require_dim, require_floating, require_int, require_top_k, same_device
 from .backend import operators_for
 
 
@@ -53,10 +53,7 @@ def route_topk(scores: torch.Tensor, k: int, batch_prioritized: bool = False) ->
     require_floating(scores, "scores", where)
     require_dim(scores, 2, "scores", where)
     num_experts = scores.shape[1]
-    k = require_int(k, "k", where, minimum=1)
-    if k > num_experts:
-        raise ValueError(f"{where}: top_k={k} exceeds num_global_experts={num_experts}; "
-                         f"allowed: 1 <= top_k <= {num_experts}")
+    k = require_top_k(k, num_experts, where)
     return RoutingResult(*_RouteTopK.apply(scores, k, bool(batch_prioritized)))
 
 

@@ -4,7 +4,6 @@ DeepSpeed is imported lazily (only by the fixtures that need it), so the call
 sequence tests in this folder run without DeepSpeed installed.
 """
 import os
-import socket
 from collections import defaultdict
 from datetime import timedelta
 
@@ -16,25 +15,21 @@ _largest_difference = defaultdict(float)
 _compared_values = defaultdict(int)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
-def deepspeed_world():
+def deepspeed_world(tmp_path_factory):
     """A one-process gloo world set up the way DeepSpeed programs do (deepspeed.init_distributed).
 
     DeepSpeed releases before 0.19 run their all-to-all even for ep_size=1, so the
-    MoE layer needs deepspeed.comm initialised.
+    MoE layer needs deepspeed.comm initialised.  The process group meets in a file, not
+    on a TCP port (no port to race for); deepspeed.init_distributed then adopts it.
     """
     import deepspeed
 
-    defaults = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                    WORLD_SIZE="1")
-    for name, value in defaults.items():
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         os.environ.setdefault(name, value)
+    rendezvous = tmp_path_factory.mktemp("deepspeed_world") / "rendezvous"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1,
+                                         timeout=timedelta(seconds=120))
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
     yield deepspeed
     if torch.distributed.is_initialized():

@@ -72,12 +72,25 @@ def build_pair(case: Case, dtype: torch.dtype, **options):
     return native, accelerated
 
 
+# DeepSpeed 0.19 routes top-1, top-2 and top-k gates through tutel; earlier releases only top-1.
+EVERY_K_THROUGH_TUTEL_SINCE = (0, 19)
+
+
+def release_routes_through_tutel(k: int) -> bool:
+    """Whether the installed DeepSpeed release sends a top-`k` gate through tutel (by its version)."""
+    release = tuple(int(part) for part in deepspeed.__version__.split(".")[:2])
+    return k == 1 or release >= EVERY_K_THROUGH_TUTEL_SINCE
+
+
 def require_tutel_path(layer: MoE, k: int) -> None:
-    """Skips (naming the reason) where this DeepSpeed release does not route k through tutel."""
-    if not layer.deepspeed_moe.use_tutel:
-        assert k != 1, "DeepSpeed ignored use_tutel=True for a top-1 gate"
-        pytest.skip(f"DeepSpeed {deepspeed.__version__} uses tutel for top-1 gates only "
-                    f"(MOELayer.use_tutel is False for k={k})")
+    """Fails if the layer does not take the path its DeepSpeed release promises for `k`; skips
+    (naming the release) where that release routes `k` around tutel."""
+    expected = release_routes_through_tutel(k)
+    assert layer.deepspeed_moe.use_tutel is expected, (
+        f"DeepSpeed {deepspeed.__version__} should {'' if expected else 'not '}route a top-{k} gate through tutel "
+        f"with use_tutel=True, but MOELayer.use_tutel is {layer.deepspeed_moe.use_tutel}")
+    if not expected:
+        pytest.skip(f"DeepSpeed {deepspeed.__version__} routes only top-1 gates through tutel (k={k})")
 
 
 class CallCounter:

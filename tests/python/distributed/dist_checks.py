@@ -84,3 +84,14 @@ def compare_with_reference(name: str, make_input: Callable[[int], torch.Tensor],
         total = sum((out * grad).sum() for out, grad in zip(expected, grads))
     total.backward()
     close(x.grad, leaves[me].grad, f"{name} gradient")
+
+
+def side_channel() -> "torch.distributed.TCPStore":
+    """A key-value store shared by the ranks, outside the process groups under test: rank 0 serves
+    it on a port the system picks, and the others learn the port through an all-reduce.  Lets a
+    check signal between ranks while a collective is in flight (an event, instead of a sleep)."""
+    import torch.distributed as dist
+    server = dist.TCPStore("127.0.0.1", 0, world(), True, wait_for_workers=False) if rank() == 0 else None
+    port = int(net.simple_all_reduce(torch.tensor([server.port if server else 0]))[0])
+    return server or dist.TCPStore("127.0.0.1", port, world(), False)
+

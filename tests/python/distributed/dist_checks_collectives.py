@@ -1,12 +1,12 @@
 """Checks of every tutel.net collective and its gradient against dist_reference (run in each rank)."""
+import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 import dist_reference as ref
-from dist_checks import CheckList, close, compare_with_reference, expect_error, rank, world
+from dist_checks import CheckList, close, compare_with_reference, expect_error, rank, side_channel, world
 from tutel import net
 
 checks = CheckList()
@@ -94,23 +94,32 @@ def all_to_all_every_dim_pair():
 
 @checks.add
 def background_all_to_all_returns_before_the_peers_join():
-    # Rank 0 starts the exchange while the other ranks are still busy: the call
-    # must return at once; the result arrives at wait() once they join.
+    # Rank 0 starts the exchange while the other ranks wait for its signal that the call
+    # returned: the call must return without them; the result arrives at wait() once they join.
+    # A call that blocked would never send the signal: the peers then join after a generous
+    # timeout (below the groups' 60 s; only a failing run waits for it) and every rank reports it.
     w = world()
     if w == 1:
         return
+    store = side_channel()
     net.barrier()
     inputs = [ref.seeded("async", r, [w, 4]) for r in range(w)]
-    if rank() != 0:
-        time.sleep(1.0)
-    start = time.monotonic()
-    finish = net.all_to_all(inputs[rank()], 0, 0, background=True)
-    launch_seconds = time.monotonic() - start
+    signalled = True
+    if rank() == 0:
+        finish = net.all_to_all(inputs[0], 0, 0, background=True)
+        store.set("background call returned", "1")
+    else:
+        try:
+            store.wait(["background call returned"], datetime.timedelta(seconds=45))
+        except RuntimeError:  # timed out: rank 0's call did not return without us
+            signalled = False
+        finish = net.all_to_all(inputs[rank()], 0, 0, background=True)
     result = finish()
     assert finish() is result, "calling the background function again must return the same tensor"
     close(result, ref.all_to_all(inputs, 0, 0)[rank()], "background all_to_all")
-    if rank() == 0:
-        assert launch_seconds < 0.5, f"background all_to_all blocked for {launch_seconds:.2f} s"
+    missed = int(net.simple_all_reduce(torch.tensor([0 if signalled else 1]))[0])
+    assert missed == 0, f"background all_to_all blocked rank 0 until the peers joined ({missed} rank(s) timed out)"
+    net.barrier()  # rank 0 serves the store: keep it until every peer is done with it
 
 
 @checks.add

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import dist_reference as ref
 from dist_checks import CheckList, close, compare_with_reference, expect_error, rank, world
 from tutel import net, system
-from tutel.impls import exchange
+from tutel.collectives import exchange
 
 checks = CheckList()
 
@@ -65,6 +65,27 @@ def data_and_model_groups():
         expect_error(ValueError, ["group_count", "allowed"], net.create_groups_from_world, -(w + 1))
     expect_error(ValueError, ["group_count"], net.create_groups_from_world, 0)
     expect_error(ValueError, ["backend", "allowed"], net.create_groups_from_world, 1, include_init="tcp")
+
+
+@checks.add
+def group_ranks_and_all_reduce_max_int():
+    """net.group_ranks lists a group's global ranks in group order; all_reduce_max_int is the
+    largest host integer over a group (WORLD, the model and data groups, a strided group)."""
+    w = world()
+    assert net.group_ranks() == list(range(w)) and net.group_ranks(dist.group.WORLD) == list(range(w))
+    value = 7 * ((rank() * 5 + 3) % w) - 2  # a different largest rank than the last one
+    expected = max(7 * ((r * 5 + 3) % w) - 2 for r in range(w))
+    result = net.all_reduce_max_int(value, torch.device("cpu"))
+    assert result == expected and isinstance(result, int), (result, expected)
+    assert net.all_reduce_max_int(-3 - rank(), torch.device("cpu")) == -3  # negative values
+    if w % 2 == 0:
+        env = net.create_groups_from_world(2)
+        model_members = [env.data_rank * (w // 2) + m for m in range(w // 2)]
+        data_members = [d * (w // 2) + env.model_rank for d in range(2)]
+        assert net.group_ranks(env.model_group) == model_members
+        assert net.group_ranks(env.data_group) == data_members
+        for group, members in ((env.model_group, model_members), (env.data_group, data_members)):
+            assert net.all_reduce_max_int(100 + rank(), torch.device("cpu"), group) == 100 + max(members)
 
 
 @checks.add

@@ -66,8 +66,12 @@ def local_slice(layer, name, global_grad):
     return global_grad[expert, piece * rows:(piece + 1) * rows].unsqueeze(0)
 
 
-def compare(layer, tokens, top_k, capacity_factor, forward_kwargs=None, tol=1e-10):
-    """Forward/backward on this rank's tokens; checks against the reference (see module doc)."""
+def compare(layer, tokens, top_k, capacity_factor, forward_kwargs=None, tol=1e-10, normalize_gate=True,
+            is_postscore=True):
+    """Forward/backward on this rank's tokens; checks against the reference (see module doc).
+
+    normalize_gate / is_postscore: the options the check built the layer with (moe_layer's
+    defaults unless given), passed to the reference by the check, never read from the layer."""
     forward_kwargs = forward_kwargs or {}
     torch.manual_seed(1000 + rank())
     x = torch.randn(tokens, MODEL_DIM, dtype=torch.float64, requires_grad=True)
@@ -82,7 +86,7 @@ def compare(layer, tokens, top_k, capacity_factor, forward_kwargs=None, tol=1e-1
     overlap = forward_kwargs.get("a2a_ffn_overlap_degree", layer.a2a_ffn_overlap_degree)
     out64, l_aux64, _, _ = reference_moe.moe_forward(
         x64, x64 @ gate64.t(), lambda e, h: reference_moe.ffn_expert(params, e, h, torch.relu), top_k,
-        capacity_factor, normalize_gate=layer.normalize_gate, is_postscore=layer.is_postscore,
+        capacity_factor, normalize_gate=normalize_gate, is_postscore=is_postscore,
         alignment=layer.sharded_count * overlap,
         agree_capacity=lambda c: net.all_reduce_max_int(c, torch.device("cpu")))
     ((out64 * upstream).sum() + 0.3 * l_aux64).backward()
@@ -118,11 +122,12 @@ def expert_parallel_top1_and_output_dim():
 @checks.add
 def sharded_experts_every_valid_r():
     for share in [s for s in (2, 4) if s <= world() and world() % s == 0]:
-        layer = make_layer(-share, min(2, world() // share), capacity_factor=0.75)
+        k = min(2, world() // share)  # at most the number of global experts
+        layer = make_layer(-share, k, capacity_factor=0.75)
         assert layer.sharded_count == share and layer.valid_rs == [0] + [r for r in range(1, share + 1) if share % r == 0]
         for r in layer.valid_rs:
             for overlap in (1, 2):
-                compare(layer, 17, layer.gates[0].top_k, 0.75, dict(adaptive_r=r, a2a_ffn_overlap_degree=overlap))
+                compare(layer, 17, k, 0.75, dict(adaptive_r=r, a2a_ffn_overlap_degree=overlap))
 
 
 @checks.add
@@ -142,6 +147,13 @@ def different_token_counts_per_rank():
         for inequivalent in (False, True):
             compare(layer, 11 + 9 * rank(), 2, capacity_factor,
                     dict(capacity_factor=capacity_factor, inequivalent_tokens=inequivalent))
+
+
+@checks.add
+def prescore_and_unnormalized_gates():
+    for is_postscore, normalize_gate in ((False, True), (True, False), (False, False)):
+        layer = make_layer(2, 2, capacity_factor=0.75, is_postscore=is_postscore, normalize_gate=normalize_gate)
+        compare(layer, 23, 2, 0.75, is_postscore=is_postscore, normalize_gate=normalize_gate)
 
 
 @checks.add

@@ -41,7 +41,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -179,6 +179,23 @@ def run_command(argv: Sequence[str], env: Optional[Dict[str, Optional[str]]] = N
     return output
 
 
+def _port_was_taken(output: ProcessOutput) -> bool:
+    return any(marker in output.stderr or marker in output.stdout for marker in _PORT_TAKEN)
+
+
+def run_command_on_a_free_port(make_command: Callable[[int], Tuple[Sequence[str], Dict[str, Optional[str]]]],
+                               timeout: float = 120, attempts: int = 3) -> ProcessOutput:
+    """Runs ``run_command(*make_command(port))`` with a port free at the time; when another program
+    took the port before the command bound it, runs it again on a new port (a free port can only
+    be chosen before it is bound, so the race is retried, not prevented)."""
+    for attempt in range(1, attempts + 1):
+        argv, env = make_command(free_port())
+        output = run_command(argv, env, timeout)
+        if not _port_was_taken(output) or attempt == attempts:
+            return output
+    raise AssertionError("unreachable")
+
+
 def launch(target: str, world_size: int, env: Optional[Dict[str, Optional[str]]] = None,
            args: Sequence[str] = (), timeout: float = 120, attempts: int = 3) -> LaunchResult:
     """Runs ``target`` ("module:function") in ``world_size`` processes; see the module docstring."""
@@ -194,8 +211,7 @@ def launch(target: str, world_size: int, env: Optional[Dict[str, Optional[str]]]
                 **(env or {})})
         result = run_processes(commands, envs, timeout, f"{target} on {world_size} processes")
         result.attempts = attempt
-        port_taken = any(marker in result.ranks[0].stderr for marker in _PORT_TAKEN)
-        if not port_taken or attempt == attempts:
+        if not _port_was_taken(result.ranks[0]) or attempt == attempts:
             return result
     raise AssertionError("unreachable")
 

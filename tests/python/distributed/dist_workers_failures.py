@@ -18,14 +18,27 @@ def _report(started: float, action) -> None:
         raise AssertionError("the collective succeeded although a peer never joined it")
 
 
+def _has_exited(pid: int) -> bool:
+    """Whether process `pid` (on this host) has exited: gone, or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def peer_exits_before_a_collective() -> None:
-    """Rank 1 exits; rank 0 then all-reduces over WORLD."""
+    """Rank 1 exits; once it has (an event, not a sleep), rank 0 all-reduces over WORLD."""
     init_gloo()
-    net.barrier()
+    peer_pid = int(net.simple_all_reduce(torch.tensor([os.getpid() if net.get_world_rank() == 1 else 0]))[0])
     if net.get_world_rank() == 1:
         sys.stdout.flush()
         os._exit(0)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # generous: only a broken run waits this long
+    while not _has_exited(peer_pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank 1 (pid {peer_pid}) did not exit")
+        time.sleep(0.05)
     _report(time.monotonic(), lambda: net.simple_all_reduce(torch.ones(4)))
 
 

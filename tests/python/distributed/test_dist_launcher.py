@@ -6,18 +6,25 @@ import sys
 
 import pytest
 
-from dist_harness import free_port, run_command
+from dist_harness import run_command_on_a_free_port
+from install_checks import require
 from tutel.launcher import execl, run
 
-needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None,
-                                   reason="mpiexec not installed (tests/setup_env.sh installs openmpi-bin)")
 MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+@pytest.fixture
+def mpiexec():
+    """The tests that launch with OpenMPI's mpiexec."""
+    require(shutil.which("mpiexec") is not None, "mpiexec", "apt-get install openmpi-bin")
+
+
 def _mpiexec(program: list, env: dict):
-    exported = [flag for name in env for flag in ("-x", name)] + ["-x", "PYTHONPATH"]
-    output = run_command(["mpiexec", "-n", "2", "--oversubscribe", *exported, sys.executable, *program],
-                         env={**MPI_AS_ROOT, **env}, timeout=180)
+    """Runs `program` on 2 ranks with mpiexec; MASTER_PORT is a free port (retried if taken meanwhile)."""
+    exported = [flag for name in [*env, "MASTER_PORT"] for flag in ("-x", name)] + ["-x", "PYTHONPATH"]
+    command = ["mpiexec", "-n", "2", "--oversubscribe", *exported, sys.executable, *program]
+    output = run_command_on_a_free_port(lambda port: (command, {**MPI_AS_ROOT, **env, "MASTER_PORT": str(port)}),
+                                        timeout=180)
     assert output.returncode == 0, output.describe()
     return output
 
@@ -26,18 +33,16 @@ def _launched(stdout: str) -> dict:
     return {int(rank): rest for rank, rest in re.findall(r"launched rank (\d) of 2: (.*?rendezvous = \w+)", stdout)}
 
 
-@needs_mpiexec
-def test_mpiexec_launcher_starts_torchrun_on_every_host():
+def test_mpiexec_launcher_starts_torchrun_on_every_host(mpiexec):
     output = _mpiexec(["-m", "tutel.launcher.run", "-m", "dist_workers_launch"],
-                      {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_SIZE": "1"})
+                      {"MASTER_ADDR": "127.0.0.1", "LOCAL_SIZE": "1"})
     expected = "sum = 3, LOCAL_SIZE = 1, TUTEL_CUDA_SANDBOX = 1, rendezvous = torchrun"
     assert _launched(output.stdout) == {0: expected, 1: expected}, output.describe()
 
 
-@needs_mpiexec
-def test_openmpi_rendezvous_without_the_launcher():
+def test_openmpi_rendezvous_without_the_launcher(mpiexec):
     # LOCAL_RANK is unset: init_data_model_parallel meets at tcp://127.0.0.1:MASTER_PORT with the OpenMPI ranks.
-    output = _mpiexec(["-m", "dist_workers_launch"], {"MASTER_PORT": str(free_port())})
+    output = _mpiexec(["-m", "dist_workers_launch"], {})
     expected = "sum = 3, LOCAL_SIZE = None, TUTEL_CUDA_SANDBOX = None, rendezvous = openmpi"
     assert _launched(output.stdout) == {0: expected, 1: expected}, output.describe()
     assert "terminate called" not in output.stderr, "the processes must exit cleanly"
@@ -78,3 +83,25 @@ def test_execl_builds_the_program_command(monkeypatch):
     assert os.environ["TUTEL_CUDA_SANDBOX"] == "1"
     with pytest.raises(SystemExit, match="usage"):
         execl.build_command(["-m"])
+
+
+def test_a_port_taken_before_the_command_binds_it_is_retried(monkeypatch):
+    import socket
+
+    import dist_harness
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], dist_harness.free_port()])
+        monkeypatch.setattr(dist_harness, "free_port", lambda: next(ports))
+        used = []
+        bind = ("import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); "
+                "print('bound', sys.argv[1])")
+
+        def command(port):
+            used.append(port)
+            return [sys.executable, "-c", bind, str(port)], {}
+
+        output = run_command_on_a_free_port(command, timeout=60)
+    assert output.returncode == 0 and len(used) == 2, output.describe()
+    assert f"bound {used[1]}" in output.stdout

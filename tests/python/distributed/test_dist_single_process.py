@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tutel import net, system
-from tutel.impls import exchange, process_groups
-from tutel.impls.distributed_optimizer import is_expert_param
+from tutel.collectives import exchange, process_groups
+from tutel.collectives.distributed_optimizer import is_expert_param
 
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE",
                         "OMPI_COMM_WORLD_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")
@@ -130,6 +130,48 @@ def test_cache_save_load_and_file_patterns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         system.apply_rank_size_from_pattern(str(tmp_path / "shared.pt"), 0, 2, create_dir=False)
     assert "{rank}" in caplog.text
+
+
+def test_system_load_puts_the_tensor_on_the_device_asked_for(tmp_path):
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    path = str(tmp_path / "value.npy")
+    system.save(value, path)
+    loaded = system.load(path, device="meta")  # any device other than the default CPU shows it was used
+    assert loaded.device.type == "meta" and loaded.shape == (3, 4) and loaded.dtype == torch.float32
+    assert torch.equal(system.load(path, device=torch.device("cpu")), value)
+
+
+def test_all_reduce_max_int_and_group_ranks_in_one_process(no_rendezvous):
+    assert net.all_reduce_max_int(5, torch.device("cpu")) == 5
+    assert isinstance(net.all_reduce_max_int(torch.tensor(3), torch.device("cpu")), int)
+    assert net.group_ranks() == [0]
+
+
+@pytest.mark.parametrize("node_names,local_size,expected", [
+    # more processes than nodes: consecutive local ranks share a node, spread evenly
+    (["node0", "node1"], 4, [["0"], ["0"], ["1"], ["1"]]),
+    (["node0", "node1", "node2"], 3, [["0"], ["1"], ["2"]]),
+    # more nodes than processes: each local rank binds to every local_size-th node
+    (["node0", "node1", "node2", "node3"], 2, [["0", "2"], ["1", "3"]]),
+    # numeric order, other entries ignored
+    (["node10", "node2", "node1", "possible", "has_cpu"], 3, [["1"], ["2"], ["10"]]),
+])
+def test_numa_binding_chooses_the_nodes_of_each_local_rank(tmp_path, monkeypatch, node_names, local_size, expected):
+    from tutel.launcher import execl
+    for name in node_names:
+        (tmp_path / name).mkdir()
+    numactl = tmp_path / "numactl"
+    numactl.write_text("")
+    monkeypatch.setattr(execl, "NUMA_ROOT", str(tmp_path))
+    monkeypatch.setattr(execl, "NUMACTL", str(numactl))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for local_rank, nodes in enumerate(expected):
+        assert execl.numa_binding(local_rank, local_size) == [str(numactl), f"--cpunodebind={','.join(nodes)}"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # threads per process: no binding
+    assert execl.numa_binding(0, local_size) == []
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(execl, "NUMACTL", str(tmp_path / "absent"))  # no numactl: no binding
+    assert execl.numa_binding(0, local_size) == []
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys/devices/system/node/node0"), reason="no NUMA layout in /sys")

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ...impls.process_groups import get_world_rank, get_world_size
+from ...collectives.process_groups import get_world_rank, get_world_size
 from ...impls.moe_layer import MOELayer
 from .block_layouts import (SUPPORTED_BLOCKS, BlockLayout, UnsupportedMoeBlock, is_known_block, looks_like_moe_block,
                             read_block)

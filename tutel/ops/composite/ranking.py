@@ -1,7 +1,7 @@
 """Integer keys that sort floating-point values by tutel's ranking rule."""
 import torch
 
-from .._checks import accumulation_dtype
+from ..checks import accumulation_dtype
 
 
 def descending_keys(values: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import accumulation_dtype
+from ..checks import accumulation_dtype
 from .entries import raise_bad_entry
 from .grouping import rank_in_group
 

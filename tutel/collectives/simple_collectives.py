@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..ops.checks import require_tensor
 from .process_groups import TIMEOUT_ENV, get_world_rank, get_world_size, global_timeout
 
 SKIP_A2A_ENV = "SKIP_A2A"
@@ -53,15 +54,6 @@ def waiter(work: Any, where: str, group: Optional[Any]) -> Callable[..., None]:
 
 def _no_wait(*unused: Any) -> None:
     return None
-
-
-def require_tensor(value: Any, name: str, where: str, min_dim: int = 0) -> torch.Tensor:
-    """Returns ``value`` if it is a tensor of at least ``min_dim`` dims, else raises naming ``name``."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() < min_dim:
-        raise ValueError(f"{where}: `{name}` must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
-    return value
 
 
 def require_divisible_dim0(input: torch.Tensor, world_size: int, where: str) -> None:

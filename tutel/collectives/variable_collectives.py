@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..ops.checks import require_tensor
 from .process_groups import get_world_size
 from .simple_collectives import all_gather_single, collective_errors, simple_all_gather, simple_all_to_all, waiter
 
@@ -25,8 +26,7 @@ def _require_tensor_list(datas: Any, where: str) -> List[torch.Tensor]:
     if not isinstance(datas, (list, tuple)) or not datas:
         raise TypeError(f"{where}: `datas` must be a non-empty list or tuple of tensors, got {type(datas).__name__}")
     for index, data in enumerate(datas):
-        if not isinstance(data, torch.Tensor):
-            raise TypeError(f"{where}: `datas[{index}]` must be a torch.Tensor, got {type(data).__name__}")
+        require_tensor(data, f"datas[{index}]", where)
     first = datas[0]
     for index, data in enumerate(datas):
         if data.numel() != first.numel():

@@ -20,11 +20,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..ops.checks import require_tensor
 from .exchange import start_exchange
 from .process_groups import get_world_size
 from .simple_collectives import (
     reduce_op,
-    require_tensor,
     simple_all_gather,
     simple_all_reduce,
     simple_reduce_scatter,
@@ -115,7 +115,7 @@ def all_to_all(input: torch.Tensor, input_dim: int, output_dim: int, group: Opti
         background: start the exchange asynchronously and return a function
             that waits for it and returns the result (call it once the
             overlapping work is issued; calling it again returns the same tensor).
-        use_2dh: the 2D-hierarchical algorithm (see tutel.impls.exchange); its
+        use_2dh: the 2D-hierarchical algorithm (see tutel.collectives.exchange); its
             result equals the flat one.  Works on any ``group``.
     """
     where = "tutel.net.all_to_all"

@@ -1,4 +1,5 @@
-"""Argument validation for the public operators: clear exceptions naming the argument."""
+"""Argument validation shared by the operators, the routing API, the MoE layer and the
+collectives: each raises a clear exception naming the function, the argument and what is allowed."""
 import math
 from typing import Sequence, Union
 
@@ -12,9 +13,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def require_tensor(value, name: str, where: str) -> torch.Tensor:
+def require_tensor(value, name: str, where: str, min_dim: int = 0) -> torch.Tensor:
+    """Returns `value` if it is a tensor with at least `min_dim` dims; raises naming `name` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{where}: `{name}` must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
     return value
 
 
@@ -45,6 +49,15 @@ def require_int(value, name: str, where: str, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{where}: `{name}` must be >= {minimum}, got {value}")
     return value
+
+
+def require_top_k(value, num_experts: int, where: str) -> int:
+    """A per-call top_k: an integer with 1 <= top_k <= num_experts."""
+    top_k = require_int(value, "top_k", where, minimum=1)
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top_k={top_k} exceeds num_global_experts={num_experts}; "
+                         f"allowed: 1 <= top_k <= {num_experts}")
+    return top_k
 
 
 def require_finite_number(value, name: str, where: str) -> float:
