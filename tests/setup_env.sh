@@ -18,11 +18,12 @@ fi
 #   pytest, pytest-timeout (the per-test limit in CI), hypothesis, ninja (the extension's build), numpy;
 #   scikit-learn (moe_mnist's bundled digits), tqdm and matplotlib: the examples;
 #   transformers: the integration tests (tutel.integrations.transformers) run real model code;
-#   nvidia-cuda-nvrtc and nvidia-cuda-runtime: NVRTC and the CUDA headers (nvrtc.h, cuda.h), so the
-#   kernel-compile and CUDA host-compile tests run without a GPU or a CUDA toolkit.
+#   nvidia-cuda-nvrtc, nvidia-cuda-runtime and nvidia-cuda-crt: NVRTC and the CUDA headers (nvrtc.h,
+#   cuda.h, and crt/host_config.h that cuda_runtime.h includes), so the kernel-compile and CUDA
+#   host-compile tests run without a GPU or a CUDA toolkit.
 PINNED=(pytest==9.0.3 pytest-timeout==2.4.0 hypothesis==6.155.2 ninja==1.13.2 numpy==2.4.6
         scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.11.2 transformers==5.23.0
-        nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96)
+        nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88)
 mapfile -t wrong < <("$PYTHON" - "${PINNED[@]}" <<'EOF'
 import sys
 from importlib import metadata
