@@ -14,24 +14,12 @@
 #include "core/scalar.h"
 #include "harness.h"
 #include "../../../kernels/dispatch.cu"
+#include "variant_types.h"
 
 namespace {
 
 using namespace kernels_on_cpu;
 namespace core = tutel::core;
-
-#if defined(TUTEL_DTYPE_FLOAT16)
-using CoreT = core::float16;
-storage_t storage_of(float v) { return core::float_to_fp16(v).bits; }
-#elif defined(TUTEL_DTYPE_BFLOAT16)
-using CoreT = core::bfloat16;
-storage_t storage_of(float v) { return core::float_to_bf16(v).bits; }
-#else
-using CoreT = storage_t;
-storage_t storage_of(float v) { return storage_t(v); }
-#endif
-static_assert(sizeof(CoreT) == sizeof(storage_t), "the core reads the kernels' layout");
-static_assert(std::is_same<acc_t, core::acc_t<CoreT>>::value, "kernels and core accumulate alike");
 
 long double value_of(storage_t v) {
   CoreT c;

@@ -17,24 +17,12 @@
 #include "harness.h"
 #include "../../../kernels/routing_topk.cu"
 #include "../../../kernels/slot_assignment.cu"
+#include "variant_types.h"
 
 namespace {
 
 using namespace kernels_on_cpu;
 namespace core = tutel::core;
-
-// csrc/core's type for this variant's storage_t.
-#if defined(TUTEL_DTYPE_FLOAT16)
-using CoreT = core::float16;
-storage_t storage_of(float v) { return core::float_to_fp16(v).bits; }
-#elif defined(TUTEL_DTYPE_BFLOAT16)
-using CoreT = core::bfloat16;
-storage_t storage_of(float v) { return core::float_to_bf16(v).bits; }
-#else
-using CoreT = storage_t;
-storage_t storage_of(float v) { return storage_t(v); }
-#endif
-static_assert(sizeof(CoreT) == sizeof(storage_t), "the core reads the kernels' layout");
 
 template <class T>
 const CoreT* as_core(const std::vector<T>& v) { return reinterpret_cast<const CoreT*>(v.data()); }
