@@ -110,18 +110,20 @@ def test_python_loop_equals_compiled_operator(weight_transposed):
                     assert got is None and want.numel() == 0
 
 
-@pytest.mark.parametrize("group_rows", [None, [3, 0, 5]])
-def test_autocast_runs_the_product_in_bfloat16_and_adds_the_float32_bias(group_rows):
+# Few rows per expert, and enough that a CPU without 16-bit dot products multiplies in float32
+# (tutel.ops.precision): that path must not be cast back to 16 bits by autocast.
+@pytest.mark.parametrize("group_rows,capacity", [(None, 8), ([3, 0, 5], None), (None, 40), ([40, 0, 70], None)])
+def test_autocast_runs_the_product_in_bfloat16_and_adds_the_float32_bias(group_rows, capacity):
     """As matmul(x, w) + b does under autocast: bfloat16 product, float32 bias, float32 result."""
     weight, bias = make_weights(3, 6, 4, True, True, torch.float32)
-    x = torch.randn(3, 8, 6) if group_rows is None else torch.randn(8, 6)
+    x = torch.randn(3, capacity, 6) if group_rows is None else torch.randn(sum(group_rows), 6)
     x.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = expert_linear(x, weight, bias, weight_transposed=True, group_rows=group_rows)
     assert y.dtype == torch.float32
     y.backward(torch.ones_like(y))
     assert x.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.float32
-    rows = group_rows or [8, 8, 8]
+    rows = group_rows or [capacity] * 3
     x64, w64, b64 = leaves_as_float64(x, weight, bias)
     expected = reference_grouped(x64.reshape(-1, 6), w64, b64, rows, True).reshape(y.shape)
     expected.backward(torch.ones_like(expected))

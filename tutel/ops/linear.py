@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..impls.autocast import autocast_dtype
+from ..impls.autocast import autocast_dtype, without_autocast
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
@@ -112,8 +112,11 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         wide = gemm_dtype(x.dtype, x.device, rows_per_expert)
         if wide != x.dtype:  # 16-bit operands on a CPU without 16-bit dot products (tutel.ops.precision)
             out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
-            out = expert_linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide),
-                                weight_transposed, group_rows)
+            # The operands are already autocast's; with autocast on, the float32 call would cast
+            # them straight back to 16 bits (and recurse).
+            with without_autocast(x.device.type):
+                out = expert_linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide),
+                                    weight_transposed, group_rows)
             return out.to(out_dtype)
     if group_rows is None:
         require_dim(x, 3, "x", where)
