@@ -162,6 +162,9 @@ def _own_options(argv: Optional[Sequence[str]]):
     parser.add_argument("--max-tokens-16bit", type=int, default=None,
                         help="skip bfloat16 cases above this many tokens (on a loaded machine, or a CPU whose "
                              "16-bit GEMMs are slow, they take minutes each)")
+    parser.add_argument("--no-train-16bit", action="store_true",
+                        help="skip the bfloat16 forward+backward cases (transformers' eager backend takes minutes "
+                             "per repetition there on CPUs without native 16-bit dot products)")
     own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     return own, rest
 
@@ -189,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             cases = [(t, False) for t in forward_tokens] + [(t, True) for t in train_tokens]
             if dtype != torch.float32 and own.max_tokens_16bit is not None:
                 cases = [(t, train) for t, train in cases if t <= own.max_tokens_16bit]
+            if dtype != torch.float32 and own.no_train_16bit:
+                cases = [(t, train) for t, train in cases if not train]
             for tokens, train in cases:
                 row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps)
                 rows.append(row)
