@@ -21,6 +21,7 @@ from ..ops.checks import (
     require_top_k,
     stack_choices,
 )
+from ..ops.tracing import is_compiling
 from . import losses
 from .capacity import expert_capacity, realtime_capacity_factor
 from ..collectives import all_reduce_max_int, get_world_rank
@@ -43,11 +44,6 @@ class CriticalData(NamedTuple):
     gates_s: List[torch.Tensor]      # k x [T] floating
     capacity: int
     dispatch_count: torch.Tensor     # [E] int64
-
-
-def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def normalize_gates(gates: torch.Tensor) -> torch.Tensor:
@@ -109,7 +105,7 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
         max_load=lambda: all_reduce_max_int(int(dispatch_count.max()), scores.device, group),
         alignment=alignment)
 
-    if not _is_compiling() and logger.isEnabledFor(logging.INFO) and get_world_rank(group) == 0:
+    if not is_compiling() and logger.isEnabledFor(logging.INFO) and get_world_rank(group) == 0:
         logger.info("Capacity = %d, real-time capacity-factor for top-%d = %s", capacity, top_k,
                     realtime_capacity_factor(capacity, top_k, num_tokens, num_experts))
 

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional
 import torch
 
 from . import composite
-from ._tracing import is_compiling
+from .tracing import is_compiling
 from .self_check import OPERATORS, compare_operators
 
 BACKEND_VARIABLE = "TUTEL_CUDA_BACKEND"

@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from .._tracing import is_compiling
+from ..tracing import is_compiling
 
 def raise_bad_entry(op: str, indices: torch.Tensor, num_experts: int,
                     locations: Optional[torch.Tensor] = None) -> None:
