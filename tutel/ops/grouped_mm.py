@@ -8,9 +8,11 @@ rows and gradient rows are zero.
 
 Unlike ``expert_linear(group_rows=...)`` the group sizes stay on the device, so callers trace
 under ``torch.compile(fullgraph=True)`` without a graph break: the operator is opaque to the
-tracer.  It runs ``torch.nn.functional.grouped_mm`` where PyTorch has a kernel for the operands
-(float32 / bfloat16 / float16 on CPU, bfloat16 on CUDA sm80+, 16-byte aligned strides), else
-tutel's compiled grouped operator (float64, odd sizes), which reads the group sizes on the host.
+tracer.  On CPU it runs tutel's compiled grouped operator (reading the group ends costs nothing
+there), whose skinny products read each expert's matrix once for groups of up to 32 rows and
+which beat ``torch.nn.functional.grouped_mm`` on every size measured (benchmarks/grouped_gemm.py);
+on CUDA it runs ``grouped_mm`` where PyTorch has a kernel for the operands (bfloat16 on sm80+,
+16-byte aligned strides), else one product per expert.
 """
 from typing import List, Optional, Tuple
 
@@ -59,9 +61,13 @@ def _zero_tail(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return t.masked_fill_(rows >= offsets[-1], 0)
 
 
+def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device.type != "cpu" and a.shape[0] > 0 and grouped_mm_supports(a, b)
+
+
 def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
     right = _right(weight, transposed)
-    if rows.shape[0] and grouped_mm_supports(rows, right):
+    if _use_grouped_mm(rows, right):
         return _zero_tail(F.grouped_mm(rows, right, offs=offsets), offsets)
     counts = _counts(offsets)
     kept = sum(counts)
@@ -78,7 +84,7 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
               need_rows: bool, need_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
     right = _right(weight, transposed)
-    if rows.shape[0] and grouped_mm_supports(grad, right) and grouped_mm_supports(rows, right):
+    if _use_grouped_mm(grad, right) and grouped_mm_supports(rows, right):
         grad_rows = F.grouped_mm(grad, right.transpose(-1, -2), offs=offsets) if need_rows else None
         grad_weight = None
         if need_weight:

@@ -1,14 +1,20 @@
 // CPU implementation of grouped_linear and its backward: one linear map per
-// group of consecutive rows, every group's GEMM issued from one call (no
-// Python loop, no padding to the largest group).  Each GEMM writes straight into
-// its rows of the output, so nothing is gathered or copied.
+// group of consecutive rows, every group's product issued from one call (no
+// Python loop, no padding to the largest group).  Each product writes straight
+// into its rows of the output, so nothing is gathered or copied.
+//
+// Groups of a few rows (decoding, small batches over many experts) run tutel's
+// skinny products, which read each expert's matrix once (core/skinny_gemm.h);
+// larger groups run PyTorch's GEMM.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
 #include <vector>
 
+#include "../../core/skinny_gemm.h"
 #include "../checks.h"
+#include "../core_types.h"
 
 namespace tutel {
 namespace ops {
@@ -18,6 +24,62 @@ namespace {
 at::Tensor right_factor(const at::Tensor& weight, int64_t group, bool weight_transposed) {
   at::Tensor w = weight.select(0, group);
   return weight_transposed ? w.t() : w;
+}
+
+// Groups of at most this many rows take the skinny products: below it PyTorch's GEMM
+// (packing the matrix for every product) is slower on every CPU measured
+// (benchmarks/grouped_gemm.py, docs/performance.md).
+constexpr int64_t kSkinnyMaxRows = 32;
+
+bool skinny_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// rows[offsets[g]:offsets[g+1]] times matrices[g] into out's same rows, for every group with
+// 1..kSkinnyMaxRows rows; marks them in `done`.  `layout` says how matrices[g] is read
+// (its last dim must be contiguous), `bias` is [groups, outputs] or undefined.
+template <class T>
+void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias, at::Tensor& out,
+                   const std::vector<int64_t>& offsets, core::WeightLayout layout, std::vector<bool>& done) {
+  using C = core_t<T>;
+  std::vector<core::SkinnyProduct<C>> products;
+  const C* x = core_ptr<T>(rows);
+  const C* w = core_ptr<T>(matrices);
+  const C* b = bias.defined() ? core_ptr<T>(bias) : nullptr;
+  C* y = core_ptr<T>(out);
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    const int64_t count = offsets[g + 1] - offsets[g];
+    if (count < 1 || count > kSkinnyMaxRows) continue;
+    products.push_back({x + offsets[g] * rows.stride(0), rows.stride(0), w + int64_t(g) * matrices.stride(0),
+                        matrices.stride(1), b ? b + int64_t(g) * bias.stride(0) : nullptr,
+                        y + offsets[g] * out.stride(0), out.stride(0), count});
+    done[g] = true;
+  }
+  core::skinny_products(products, rows.size(1), out.size(1), layout);
+}
+
+// Runs the groups the skinny products serve (see skinny_groups); returns which ones ran.
+std::vector<bool> run_skinny_groups(const at::Tensor& rows, const at::Tensor& matrices,
+                                    const c10::optional<at::Tensor>& bias, at::Tensor& out,
+                                    const std::vector<int64_t>& offsets, core::WeightLayout layout) {
+  std::vector<bool> done(offsets.size() - 1, false);
+  const bool bias_ok = !bias.has_value() || bias->stride(1) == 1;
+  if (!skinny_dtype(rows.scalar_type()) || matrices.stride(2) != 1 || rows.stride(1) != 1 || out.stride(1) != 1 ||
+      !bias_ok) {
+    return done;
+  }
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  switch (rows.scalar_type()) {
+    case at::kFloat: skinny_groups<float>(rows, matrices, b, out, offsets, layout, done); break;
+    case at::kBFloat16: skinny_groups<c10::BFloat16>(rows, matrices, b, out, offsets, layout, done); break;
+    default: skinny_groups<c10::Half>(rows, matrices, b, out, offsets, layout, done); break;
+  }
+  return done;
+}
+
+// How a product reads weight[g]: rows @ W^T for [O, K] matrices, rows @ W for [K, O].
+core::WeightLayout layout_of(bool outputs_by_inner) {
+  return outputs_by_inner ? core::WeightLayout::kOutputsByInner : core::WeightLayout::kInnerByOutputs;
 }
 
 // Row offsets of the groups; checks the counts against the rows of x.
@@ -60,9 +122,11 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   }
   const std::vector<int64_t> offsets = group_offsets(group_rows, groups, x.size(0), op);
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
+  // weight_transposed: weight[g] is [O, K] and the rows are multiplied by its transpose.
+  const std::vector<bool> done = run_skinny_groups(x, weight, bias, out, offsets, layout_of(weight_transposed));
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
-    if (count == 0) continue;
+    if (count == 0 || done[g]) continue;
     at::Tensor rows_out = out.narrow(0, offsets[g], count);
     const at::Tensor rows_in = x.narrow(0, offsets[g], count);
     if (bias.has_value()) {
@@ -91,11 +155,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
   at::Tensor grad_x = at::empty({output_mask[0] ? x.size(0) : 0, x.size(1)}, x.options());
   at::Tensor grad_weight = output_mask[1] ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, x.options());
   at::Tensor grad_bias = at::empty({output_mask[2] ? groups : 0, outputs}, x.options());
+  // d x = d y @ W^T reads weight[g] the other way round from the forward product.
+  const std::vector<bool> skinny_grad_x =
+      output_mask[0] ? run_skinny_groups(grad, weight, c10::nullopt, grad_x, offsets, layout_of(!weight_transposed))
+                     : std::vector<bool>(groups, false);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     const at::Tensor rows_grad = grad.narrow(0, offsets[g], count);
     const at::Tensor rows_in = x.narrow(0, offsets[g], count);
-    if (count > 0 && output_mask[0]) {
+    if (count > 0 && output_mask[0] && !skinny_grad_x[g]) {
       // d x = d y @ W^T, with W = weight[g] or weight[g]^T.
       at::Tensor w = weight.select(0, g);
       at::Tensor rows_grad_x = grad_x.narrow(0, offsets[g], count);

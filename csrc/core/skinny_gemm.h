@@ -1,0 +1,76 @@
+// Products of a few rows with a large matrix that read the matrix once: the expert GEMMs of
+// decoding and of small batches, where each expert multiplies a handful of token rows.
+//
+// A general GEMM library packs the matrix into panels before multiplying, which pays off when
+// many rows reuse each panel; with 1 to ~32 rows the packing costs as much as the product and
+// the matrix is read more than once (measured in benchmarks/grouped_gemm.py).  These kernels
+// stream the matrix straight from memory in register blocks and keep the rows in cache, so a
+// product costs about the time to read the matrix: the bandwidth limit of decoding.
+//
+// For r < rows and o in [o_begin, o_end):
+//
+//     y[r, o] = sum_k x[r, k] * W(o, k)  (+ bias[o])
+//
+// with W(o, k) = w[o * w_stride + k] (kOutputsByInner: W's rows are the outputs, F.linear's
+// [O, K] layout) or W(o, k) = w[k * w_stride + o] (kInnerByOutputs: [K, O], x @ W).  Sums run in
+// float for float / bfloat16 / float16 and in double for double, rounded to T once at the end;
+// the summation order differs from a GEMM library's, so results agree with one to the
+// accumulation type's rounding, not bitwise.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "scalar.h"
+
+namespace tutel {
+namespace core {
+
+enum class WeightLayout {
+  kOutputsByInner,  // [O, K]: y = x @ W^T
+  kInnerByOutputs,  // [K, O]: y = x @ W
+};
+
+template <class T>
+struct SkinnyProduct {
+  const T* x;  // rows x inner, row stride x_stride
+  int64_t x_stride;
+  const T* w;  // the matrix, layout and w_stride as above
+  int64_t w_stride;
+  const T* bias;  // [outputs] or nullptr
+  T* y;           // rows x outputs, row stride y_stride
+  int64_t y_stride;
+  int64_t rows;
+};
+
+// Computes outputs [o_begin, o_end) of one product whose sums run over `inner` elements.
+template <class T>
+using SkinnyKernel = void (*)(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end);
+
+template <class T>
+struct SkinnyKernels {
+  SkinnyKernel<T> outputs_by_inner;
+  SkinnyKernel<T> inner_by_outputs;
+};
+
+// The fastest kernels this CPU supports (chosen on first use).
+template <class T>
+const SkinnyKernels<T>& skinny_kernels();
+
+// The portable kernels, always available (the tests' second implementation).
+template <class T>
+const SkinnyKernels<T>& portable_skinny_kernels();
+
+// The AVX2 + FMA kernels, or nullptr when this build or this CPU has none (and for double).
+template <class T>
+const SkinnyKernels<T>* avx2_skinny_kernels();
+
+// Runs every product (all with `inner`, `outputs` and `layout` in common), splitting their
+// outputs into tiles that run in parallel: one fork for all of them, so many small experts
+// keep every thread busy.
+template <class T>
+void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inner, int64_t outputs,
+                     WeightLayout layout);
+
+}  // namespace core
+}  // namespace tutel

@@ -1,0 +1,182 @@
+// AVX2 + FMA skinny products for float, bfloat16 and float16 (see skinny_gemm.h).
+//
+// Register blocks: kOutputsByInner multiplies 4 matrix rows by 2 token rows per pass over k
+// (8 accumulators; each matrix vector loaded once serves both token rows), kInnerByOutputs
+// multiplies 32 outputs (4 vectors) of a matrix row by 2 broadcast token elements.  The matrix
+// is read once per pair of token rows and stays in L1 between pairs; 16-bit values widen to
+// float in registers, so a bfloat16 matrix costs half the memory traffic of a float32 one.
+#include "skinny_gemm.h"
+
+#include <type_traits>
+
+#include "avx2_lanes.h"
+
+namespace tutel {
+namespace core {
+
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+namespace {
+
+using avx2::Lanes;
+
+// Sixteen consecutive elements as two float vectors.  For float and float16 these are elements
+// 0..7 and 8..15.  bfloat16 splits one 32-byte load into its even elements (shifted into the
+// high half) and its odd ones (masked): half the widening work of two zero-extending loads,
+// which bounds these kernels on CPUs with narrow vector units.  Products of two operands split
+// alike pair up the same elements, so dot products need no reordering; store2 restores the order.
+template <class T>
+struct Pairs {
+  TUTEL_AVX2_FMA static void load2(const T* p, __m256 v[2]) {
+    v[0] = Lanes<T>::load(p);
+    v[1] = Lanes<T>::load(p + 8);
+  }
+  TUTEL_AVX2_FMA static void store2(T* p, const __m256 v[2]) {
+    Lanes<T>::store(p, v[0]);
+    Lanes<T>::store(p + 8, v[1]);
+  }
+};
+
+template <>
+struct Pairs<bfloat16> {
+  TUTEL_AVX2_FMA static void load2(const bfloat16* p, __m256 v[2]) {
+    const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(int(0xffff0000u))));
+  }
+  TUTEL_AVX2_FMA static void store2(bfloat16* p, const __m256 v[2]) {
+    // v[0] = elements 0, 2, .., 14 and v[1] = 1, 3, .., 15: interleave within 128-bit lanes,
+    // then gather the lanes in order.
+    const __m256 low = _mm256_unpacklo_ps(v[0], v[1]);   // 0 1 2 3 | 8 9 10 11
+    const __m256 high = _mm256_unpackhi_ps(v[0], v[1]);  // 4 5 6 7 | 12 13 14 15
+    Lanes<bfloat16>::store(p, _mm256_permute2f128_ps(low, high, 0x20));
+    Lanes<bfloat16>::store(p + 8, _mm256_permute2f128_ps(low, high, 0x31));
+  }
+};
+
+// How far ahead of the loads each matrix row is prefetched.  The rows of a block are short
+// streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up late.
+constexpr int kPrefetchBytes = 1024;
+
+TUTEL_AVX2_FMA inline float horizontal_sum(__m256 v) {
+  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// y[r + j, o + i] for i < NO, j < NR, summing over the matrix rows o + i.  With a single token
+// row each output keeps two accumulators (even and odd halves of a pair), so the chains of
+// dependent multiply-adds are short enough to keep the FMA units busy.
+template <class T, int NO, int NR>
+TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r) {
+  constexpr int NA = NR == 1 ? 2 : 1;
+  __m256 acc[NO][NR][NA];
+  const T* w[NO];
+  const T* x[NR];
+  for (int i = 0; i < NO; ++i) {
+    w[i] = p.w + (o + i) * p.w_stride;
+    for (int j = 0; j < NR; ++j)
+      for (int a = 0; a < NA; ++a) acc[i][j][a] = _mm256_setzero_ps();
+  }
+  for (int j = 0; j < NR; ++j) x[j] = p.x + (r + j) * p.x_stride;
+  int64_t k = 0;
+  for (; k + 16 <= inner; k += 16) {
+    __m256 xv[NR][2];
+    for (int j = 0; j < NR; ++j) Pairs<T>::load2(x[j] + k, xv[j]);
+    for (int i = 0; i < NO; ++i) {
+      __m256 wv[2];
+      _mm_prefetch(reinterpret_cast<const char*>(w[i] + k) + kPrefetchBytes, _MM_HINT_T0);
+      Pairs<T>::load2(w[i] + k, wv);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(wv[0], xv[j][0], acc[i][j][0]);
+        acc[i][j][NA - 1] = _mm256_fmadd_ps(wv[1], xv[j][1], acc[i][j][NA - 1]);
+      }
+    }
+  }
+  for (int i = 0; i < NO; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float sum = horizontal_sum(NA == 1 ? acc[i][j][0] : _mm256_add_ps(acc[i][j][0], acc[i][j][NA - 1]));
+      for (int64_t t = k; t < inner; ++t) sum += Scalar<T>::load(x[j][t]) * Scalar<T>::load(w[i][t]);
+      if (p.bias) sum += Scalar<T>::load(p.bias[o + i]);
+      p.y[(r + j) * p.y_stride + o + i] = Scalar<T>::store(sum);
+    }
+  }
+}
+
+template <class T, int NO>
+TUTEL_AVX2_FMA void dot_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o) {
+  int64_t r = 0;
+  for (; r + 2 <= p.rows; r += 2) dot_block<T, NO, 2>(p, inner, o, r);
+  if (r < p.rows) dot_block<T, NO, 1>(p, inner, o, r);
+}
+
+template <class T>
+TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
+  int64_t o = o_begin;
+  for (; o + 4 <= o_end; o += 4) dot_rows<T, 4>(p, inner, o);
+  for (; o < o_end; ++o) dot_rows<T, 1>(p, inner, o);
+}
+
+// y[r + j, o .. o + 16 NP) for j < NR, summing over the matrix rows k: NP pairs of vectors.
+template <class T, int NP, int NR>
+TUTEL_AVX2_FMA void axpy_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r) {
+  __m256 acc[NP][NR][2];
+  for (int i = 0; i < NP; ++i) {
+    __m256 start[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (p.bias) Pairs<T>::load2(p.bias + o + 16 * i, start);
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = start[0], acc[i][j][1] = start[1];
+  }
+  const T* x[NR];
+  for (int j = 0; j < NR; ++j) x[j] = p.x + (r + j) * p.x_stride;
+  for (int64_t k = 0; k < inner; ++k) {
+    __m256 xb[NR];
+    for (int j = 0; j < NR; ++j) xb[j] = _mm256_set1_ps(Scalar<T>::load(x[j][k]));
+    const T* w = p.w + k * p.w_stride + o;
+    for (int i = 0; i < NP; ++i) {
+      __m256 wv[2];
+      Pairs<T>::load2(w + 16 * i, wv);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(wv[0], xb[j], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(wv[1], xb[j], acc[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i)
+    for (int j = 0; j < NR; ++j) Pairs<T>::store2(p.y + (r + j) * p.y_stride + o + 16 * i, acc[i][j]);
+}
+
+template <class T, int NP>
+TUTEL_AVX2_FMA void axpy_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o) {
+  int64_t r = 0;
+  for (; r + 2 <= p.rows; r += 2) axpy_block<T, NP, 2>(p, inner, o, r);
+  if (r < p.rows) axpy_block<T, NP, 1>(p, inner, o, r);
+}
+
+template <class T>
+TUTEL_AVX2_FMA void avx2_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
+  int64_t o = o_begin;
+  for (; o + 32 <= o_end; o += 32) axpy_rows<T, 2>(p, inner, o);
+  for (; o + 16 <= o_end; o += 16) axpy_rows<T, 1>(p, inner, o);
+  if (o < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, o, o_end);  // fewer than 16 left
+}
+
+}  // namespace
+#endif
+
+template <class T>
+const SkinnyKernels<T>* avx2_skinny_kernels() {
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+  if constexpr (!std::is_same<T, double>::value) {
+    static const SkinnyKernels<T> kernels{&avx2_outputs_by_inner<T>, &avx2_inner_by_outputs<T>};
+    if (avx2::cpu_has_avx2_fma()) return &kernels;
+  }
+#endif
+  return nullptr;
+}
+
+template const SkinnyKernels<float>* avx2_skinny_kernels<float>();
+template const SkinnyKernels<double>* avx2_skinny_kernels<double>();
+template const SkinnyKernels<bfloat16>* avx2_skinny_kernels<bfloat16>();
+template const SkinnyKernels<float16>* avx2_skinny_kernels<float16>();
+
+}  // namespace core
+}  // namespace tutel

@@ -1,0 +1,136 @@
+// Skinny products: the portable and the AVX2 kernels (when this CPU has them) against double
+// sums, for both matrix layouts, every storage type, odd sizes, strides and output ranges.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "core/skinny_gemm.h"
+
+using namespace tutel::core;
+
+namespace {
+
+struct Case {
+  int64_t rows, inner, outputs;
+};
+
+const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
+                       {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}};
+
+double unit_rounding(float) { return std::ldexp(1.0, -24); }
+double unit_rounding(double) { return std::ldexp(1.0, -53); }
+double unit_rounding(bfloat16) { return std::ldexp(1.0, -8); }
+double unit_rounding(float16) { return std::ldexp(1.0, -11); }
+
+template <class T>
+double value(T v) {
+  return double(Scalar<T>::load(v));
+}
+
+template <class T>
+void check_kernel(SkinnyKernel<T> kernel, WeightLayout layout, const Case& c, bool with_bias, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  // Row strides wider than the rows, so a kernel that assumes packed rows reads the wrong values.
+  const int64_t x_stride = c.inner + 3, y_stride = c.outputs + 5;
+  const int64_t w_rows = layout == WeightLayout::kOutputsByInner ? c.outputs : c.inner;
+  const int64_t w_cols = layout == WeightLayout::kOutputsByInner ? c.inner : c.outputs;
+  const int64_t w_stride = w_cols + 2;
+  std::vector<T> x(c.rows * x_stride), w(w_rows * w_stride), bias(c.outputs), y(c.rows * y_stride);
+  for (auto& v : x) v = Scalar<T>::store(dist(rng));
+  for (auto& v : w) v = Scalar<T>::store(dist(rng));
+  for (auto& v : bias) v = Scalar<T>::store(dist(rng));
+  const T sentinel = Scalar<T>::store(12345.f);
+  for (auto& v : y) v = sentinel;
+  SkinnyProduct<T> p{x.data(), x_stride, w.data(), w_stride, with_bias ? bias.data() : nullptr, y.data(), y_stride,
+                     c.rows};
+  // Two ranges that meet in the middle, as two threads' tiles would.
+  const int64_t middle = c.outputs / 2;
+  kernel(p, c.inner, 0, middle);
+  kernel(p, c.inner, middle, c.outputs);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    for (int64_t o = 0; o < y_stride; ++o) {
+      const double got = value(y[r * y_stride + o]);
+      if (o >= c.outputs) {
+        EXPECT_EQ(got, value(sentinel)) << "wrote past the outputs";
+        continue;
+      }
+      double sum = with_bias ? value(bias[o]) : 0.0, scale = with_bias ? std::fabs(sum) : 0.0;
+      for (int64_t k = 0; k < c.inner; ++k) {
+        const double wk = layout == WeightLayout::kOutputsByInner ? value(w[o * w_stride + k]) : value(w[k * w_stride + o]);
+        sum += value(x[r * x_stride + k]) * wk;
+        scale += std::fabs(value(x[r * x_stride + k]) * wk);
+      }
+      const double bound = unit_rounding(T()) * std::fabs(sum) + (c.inner + 2) * std::ldexp(1.0, -24) * scale;
+      EXPECT_LE(std::fabs(got - sum), bound) << "rows " << c.rows << " inner " << c.inner << " outputs "
+                                             << c.outputs << " at (" << r << ", " << o << ")";
+    }
+  }
+}
+
+template <class T>
+void check_kernels(const SkinnyKernels<T>& kernels) {
+  std::mt19937 rng(17);
+  for (const Case& c : kCases) {
+    for (bool with_bias : {false, true}) {
+      check_kernel<T>(kernels.outputs_by_inner, WeightLayout::kOutputsByInner, c, with_bias, rng);
+      check_kernel<T>(kernels.inner_by_outputs, WeightLayout::kInnerByOutputs, c, with_bias, rng);
+    }
+  }
+}
+
+template <class T>
+class SkinnyGemmTest : public ::testing::Test {};
+
+using StorageTypes = ::testing::Types<float, double, bfloat16, float16>;
+TYPED_TEST_SUITE(SkinnyGemmTest, StorageTypes);
+
+TYPED_TEST(SkinnyGemmTest, PortableKernelsMatchDoubleSums) { check_kernels(portable_skinny_kernels<TypeParam>()); }
+
+TYPED_TEST(SkinnyGemmTest, VectorisedKernelsMatchDoubleSums) {
+  const SkinnyKernels<TypeParam>* kernels = avx2_skinny_kernels<TypeParam>();
+  if (std::is_same<TypeParam, double>::value) {
+    EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
+    return;
+  }
+  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  check_kernels(*kernels);
+}
+
+TYPED_TEST(SkinnyGemmTest, DriverRunsEveryProductAndTile) {
+  // 3 products of different row counts, 150 outputs (three 64-output tiles, the last partial).
+  using T = TypeParam;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const int64_t inner = 40, outputs = 150, rows[] = {1, 4, 2};
+  std::vector<std::vector<T>> xs, ws, ys;
+  std::vector<SkinnyProduct<T>> products;
+  for (int64_t n : rows) {
+    xs.emplace_back(n * inner);
+    ws.emplace_back(outputs * inner);
+    ys.emplace_back(n * outputs);
+    for (auto& v : xs.back()) v = Scalar<T>::store(dist(rng));
+    for (auto& v : ws.back()) v = Scalar<T>::store(dist(rng));
+  }
+  for (size_t i = 0; i < xs.size(); ++i)
+    products.push_back({xs[i].data(), inner, ws[i].data(), inner, nullptr, ys[i].data(), outputs, rows[i]});
+  skinny_products(products, inner, outputs, WeightLayout::kOutputsByInner);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    for (int64_t r = 0; r < rows[i]; ++r) {
+      for (int64_t o = 0; o < outputs; ++o) {
+        double sum = 0, scale = 0;
+        for (int64_t k = 0; k < inner; ++k) {
+          const double term = value(xs[i][r * inner + k]) * value(ws[i][o * inner + k]);
+          sum += term;
+          scale += std::fabs(term);
+        }
+        EXPECT_LE(std::fabs(value(ys[i][r * outputs + o]) - sum),
+                  unit_rounding(T()) * std::fabs(sum) + (inner + 2) * std::ldexp(1.0, -24) * scale);
+      }
+    }
+  }
+}
+
+}  // namespace
