@@ -2,12 +2,15 @@
 //
 // Register blocks: kOutputsByInner multiplies 4 matrix rows by 2 token rows per pass over k
 // (8 accumulators; each matrix vector loaded once serves both token rows), kInnerByOutputs
-// multiplies 32 outputs (4 vectors) of a matrix row by 2 broadcast token elements.  The matrix
+// multiplies 32 outputs (4 vectors) of a matrix row by 2 broadcast token elements, over chunks
+// of the matrix that stay in L1 (see axpy_tile).  The matrix
 // is read once per pair of token rows and stays in L1 between pairs; 16-bit values widen to
 // float in registers, so a bfloat16 matrix costs half the memory traffic of a float32 one.
 #include "skinny_gemm.h"
 
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "avx2_lanes.h"
 
@@ -116,46 +119,86 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
   for (; o < o_end; ++o) dot_rows<T, 1>(p, inner, o);
 }
 
-// y[r + j, o .. o + 16 NP) for j < NR, summing over the matrix rows k: NP pairs of vectors.
+// Blocks of the [K, O] layout.  The matrix is walked in chunks of kChunkInner rows by a tile of
+// at most kTileOutputs outputs: a chunk (16 KiB of float32) stays in L1 while every token row
+// multiplies it, and the tile's float sums wait in `acc` between chunks.  Walking all K rows
+// for one narrow block at a time instead touches a new page per row (each row of a large
+// matrix is a page or more apart) and re-reads the matrix for every pair of token rows.
+constexpr int64_t kChunkInner = 64;
+constexpr int64_t kTileOutputs = 64;
+
+// acc[(r + j) * kTileOutputs + c ..] (pairs of vectors, in Pairs<T> order) += x[r + j, k] * W[k, o + c ..]
+// for k in [k0, k1), j < NR, c < 16 NP.
 template <class T, int NP, int NR>
-TUTEL_AVX2_FMA void axpy_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r) {
-  __m256 acc[NP][NR][2];
-  for (int i = 0; i < NP; ++i) {
-    __m256 start[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    if (p.bias) Pairs<T>::load2(p.bias + o + 16 * i, start);
-    for (int j = 0; j < NR; ++j) acc[i][j][0] = start[0], acc[i][j][1] = start[1];
-  }
+TUTEL_AVX2_FMA void axpy_block(const SkinnyProduct<T>& p, int64_t k0, int64_t k1, int64_t o, int64_t c, int64_t r,
+                               float* acc) {
+  __m256 sum[NP][NR][2];
+  for (int i = 0; i < NP; ++i)
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) sum[i][j][h] = _mm256_loadu_ps(acc + (r + j) * kTileOutputs + c + 16 * i + 8 * h);
   const T* x[NR];
   for (int j = 0; j < NR; ++j) x[j] = p.x + (r + j) * p.x_stride;
-  for (int64_t k = 0; k < inner; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     __m256 xb[NR];
     for (int j = 0; j < NR; ++j) xb[j] = _mm256_set1_ps(Scalar<T>::load(x[j][k]));
-    const T* w = p.w + k * p.w_stride + o;
+    const T* w = p.w + k * p.w_stride + o + c;
     for (int i = 0; i < NP; ++i) {
       __m256 wv[2];
       Pairs<T>::load2(w + 16 * i, wv);
       for (int j = 0; j < NR; ++j) {
-        acc[i][j][0] = _mm256_fmadd_ps(wv[0], xb[j], acc[i][j][0]);
-        acc[i][j][1] = _mm256_fmadd_ps(wv[1], xb[j], acc[i][j][1]);
+        sum[i][j][0] = _mm256_fmadd_ps(wv[0], xb[j], sum[i][j][0]);
+        sum[i][j][1] = _mm256_fmadd_ps(wv[1], xb[j], sum[i][j][1]);
       }
     }
   }
   for (int i = 0; i < NP; ++i)
-    for (int j = 0; j < NR; ++j) Pairs<T>::store2(p.y + (r + j) * p.y_stride + o + 16 * i, acc[i][j]);
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (r + j) * kTileOutputs + c + 16 * i + 8 * h, sum[i][j][h]);
 }
 
 template <class T, int NP>
-TUTEL_AVX2_FMA void axpy_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o) {
+TUTEL_AVX2_FMA void axpy_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t k1, int64_t o, int64_t c, float* acc) {
   int64_t r = 0;
-  for (; r + 2 <= p.rows; r += 2) axpy_block<T, NP, 2>(p, inner, o, r);
-  if (r < p.rows) axpy_block<T, NP, 1>(p, inner, o, r);
+  for (; r + 2 <= p.rows; r += 2) axpy_block<T, NP, 2>(p, k0, k1, o, c, r, acc);
+  if (r < p.rows) axpy_block<T, NP, 1>(p, k0, k1, o, c, r, acc);
+}
+
+// Outputs [o, o + width) with width a multiple of 16, at most kTileOutputs.
+template <class T>
+TUTEL_AVX2_FMA void axpy_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t width,
+                              std::vector<float>& acc) {
+  acc.assign(p.rows * kTileOutputs, 0.f);
+  if (p.bias) {
+    for (int64_t c = 0; c < width; c += 16) {
+      __m256 start[2];
+      Pairs<T>::load2(p.bias + o + c, start);
+      for (int64_t r = 0; r < p.rows; ++r) {
+        _mm256_storeu_ps(acc.data() + r * kTileOutputs + c, start[0]);
+        _mm256_storeu_ps(acc.data() + r * kTileOutputs + c + 8, start[1]);
+      }
+    }
+  }
+  for (int64_t k0 = 0; k0 < inner; k0 += kChunkInner) {
+    const int64_t k1 = std::min(inner, k0 + kChunkInner);
+    int64_t c = 0;
+    for (; c + 32 <= width; c += 32) axpy_rows<T, 2>(p, k0, k1, o, c, acc.data());
+    for (; c < width; c += 16) axpy_rows<T, 1>(p, k0, k1, o, c, acc.data());
+  }
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t c = 0; c < width; c += 16) {
+      const __m256 v[2] = {_mm256_loadu_ps(acc.data() + r * kTileOutputs + c),
+                           _mm256_loadu_ps(acc.data() + r * kTileOutputs + c + 8)};
+      Pairs<T>::store2(p.y + r * p.y_stride + o + c, v);
+    }
+  }
 }
 
 template <class T>
 TUTEL_AVX2_FMA void avx2_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
+  std::vector<float> acc;
   int64_t o = o_begin;
-  for (; o + 32 <= o_end; o += 32) axpy_rows<T, 2>(p, inner, o);
-  for (; o + 16 <= o_end; o += 16) axpy_rows<T, 1>(p, inner, o);
+  for (; o + 16 <= o_end; o += kTileOutputs) axpy_tile(p, inner, o, std::min(kTileOutputs, (o_end - o) / 16 * 16), acc);
+  o = o_begin + (o_end - o_begin) / 16 * 16;
   if (o < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, o, o_end);  // fewer than 16 left
 }
 
