@@ -18,6 +18,7 @@ IMAGES = os.path.join(ROOT, "docs", "images")
 BENCHMARKS = ("layer", "scaling", "dispatch", "dropless")  # one process each, with a machine record
 MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distributed.run
 FRAMEWORK_BENCHMARKS = ("transformers_moe",)  # optional: needs Hugging Face transformers
+KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
 
 # The issue's targets (fp32, this 2-core machine).
 TARGETS = {"layer/ideal E=8": 1.10, "layer/ideal E=64": 1.25, "naive/layer E=64": 5.0, "dispatch of copy": 0.5,
@@ -52,7 +53,7 @@ def with_layer_limit(rows: List[dict], gemm_gflops: Optional[float]) -> List[dic
 
 def load_results(directory: str) -> Dict[str, dict]:
     results = {}
-    for name in BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS:
+    for name in BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS + KERNEL_BENCHMARKS:
         path = os.path.join(directory, f"{name}.json")
         if os.path.exists(path):
             with open(path) as handle:
@@ -366,15 +367,32 @@ last-level cache), both rates measured as two more candidates interleaved with t
 case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Ratios above 1 in *best_transformers/tutel* mean
 tutel is faster.
 
-What limits tutel here, as measured (docs/design.md, "Routed experts"): tutel and transformers'
-`grouped_mm` backend run the same `torch.nn.functional.grouped_mm` kernels for the expert GEMMs, so
-at large T the gap between them is what surrounds the GEMMs (one fused gate+up product, dispatch and
-combine in single passes, the weighting fused into the combine) and cannot exceed that share; on a
-CPU without native bf16 dot products tutel runs 16-bit GEMMs in float32 once experts have 32 rows or
-more, which transformers' backends do not.  At a few rows per expert (T <= 16 with top-8 of 64)
-PyTorch's small GEMMs read the weights well below the measured bandwidth, which is what keeps both
-sides far from the bandwidth limit; closing that needs a GEMM kernel that streams each weight row
-once for all of an expert's rows."""
+What limits tutel here, as measured (docs/design.md, "Routed experts" and "Skinny products"): at a
+few rows per expert (decoding, T <= 128 with top-8 of 64) the expert products are tutel's skinny
+products, which stream each active expert's weights once (bf16 widened in registers) where
+PyTorch's GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below
+the machine's bandwidth (table "Grouped expert products" below).  At large T both sides run
+PyTorch's GEMM per expert, so the gap is what surrounds the GEMMs (one fused gate+up product,
+dispatch and combine in single passes); on a CPU without native bf16 dot products tutel runs
+16-bit GEMMs in float32 once experts average 32 rows, which transformers' backends do not.  The
+bf16 compute limit uses the bf16 GEMM rate, as defined; where that rate is far below float32's
+(no native bf16), a bf16 *tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
+
+
+GROUPED_GEMM_INTRO = """`benchmarks/grouped_gemm.py` times the experts' grouped product alone: one gate+up projection of
+64 experts of [1024, 1024] (F.linear layout), r rows per expert (8 active experts below 8 rows, as
+when decoding one token with top-8, all 64 from 8 rows on).  *tutel*: `torch.ops.tutel.grouped_linear`
+(skinny products up to 32 rows, PyTorch's GEMM per expert above); *grouped_mm*:
+`torch.nn.functional.grouped_mm`; *per_expert_linear*: one `F.linear` per expert, as transformers'
+eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large `F.linear` in the dtype
+and the active weights' bytes at the read bandwidth, both measured as interleaved candidates."""
+
+
+def grouped_gemm_section(result: dict) -> str:
+    m = result["machine"]
+    return ("## Grouped expert products\n\n" + GROUPED_GEMM_INTRO + "\n\n"
+            f"Measured on: {m['cpu']} ({m['logical_cpus']} logical CPUs, {m['torch_threads']} threads); torch "
+            f"{m['torch']}; finished {result['finished']}.\n\n" + format_table(result["rows"], result["columns"]))
 
 
 def transformers_section(result: dict, picture: str = "") -> str:
@@ -472,6 +490,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
         picture = plot_transformers(results["transformers_moe"], images)
         link = f"![transformers]({os.path.relpath(picture, os.path.dirname(doc_path))})\n\n" if picture else ""
         parts.append(transformers_section(results["transformers_moe"], link))
+    if results.get("grouped_gemm"):
+        parts.append(grouped_gemm_section(results["grouped_gemm"]))
     parts.append(NOTES)
     return "\n\n".join(parts) + "\n"
 

@@ -35,10 +35,10 @@ def results_dir(tmp_path_factory):
 
 
 EXPECTED_KEYS = {"layer": ["rows", "roofline", "profile"], "scaling": ["rows", "token_sweep", "expert_sweep"],
-                 "dispatch": ["dispatch", "routing", "metadata"], "dropless": ["rows"]}
+                 "dispatch": ["dispatch", "routing", "metadata"], "dropless": ["rows"], "grouped_gemm": ["rows"]}
 
 
-@pytest.mark.parametrize("name", ["layer", "scaling", "dispatch", "dropless"])
+@pytest.mark.parametrize("name", ["layer", "scaling", "dispatch", "dropless", "grouped_gemm"])
 def test_benchmark_smoke_run_writes_json(name, results_dir, keep_threads):
     returned = load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
     with open(os.path.join(results_dir, f"{name}.json")) as handle:
@@ -83,7 +83,7 @@ def test_report_rebuilds_the_page_from_smoke_results(results_dir, tmp_path):
     assert doc.read_text() == text
     for heading in ("## Machine", "## Bytes and FLOPs per kernel", "## moe_layer against the ideal",
                     "## Scaling", "## Dispatch and routing", "## Dropless without padding",
-                    "## Expert-parallel exchange"):
+                    "## Expert-parallel exchange", "## Grouped expert products"):
         assert heading in text
     for sweep in ("tokens", "experts"):
         assert (images / f"performance_scaling_{sweep}.png").stat().st_size > 0

@@ -91,8 +91,14 @@ def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [n, 2I] = [gate | up]."""
+    """silu(gate) * up for [n, 2I] = [gate | up].
+
+    Without autograd the result overwrites the gate half of `gate_up` (a strided [n, I] view that
+    the grouped product reads as it is): at large n the two [n, I] temporaries of the out-of-place
+    form are fresh allocations whose pages the OS must zero on every call."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if not (torch.is_grad_enabled() and gate_up.requires_grad):
+        return F.silu(gate, inplace=True).mul_(up)
     return F.silu(gate) * up
 
 

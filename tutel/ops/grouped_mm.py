@@ -72,12 +72,12 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
         return _zero_tail(F.grouped_mm(rows, right, offs=offsets), offsets)
     counts = _counts(offsets)
     kept = sum(counts)
+    run = torch.ops.tutel.grouped_linear if rows.device.type == "cpu" else grouped_linear_loop
+    if kept == rows.shape[0]:  # no dropped rows (the usual case): no zero tail to add
+        return run(rows, weight, None, counts, not transposed)  # rows may be a row-strided view
     out = rows.new_zeros((rows.shape[0], right.shape[-1]))
     if kept:
-        if rows.device.type == "cpu":
-            out[:kept] = torch.ops.tutel.grouped_linear(rows[:kept].contiguous(), weight, None, counts, not transposed)
-        else:
-            out[:kept] = grouped_linear_loop(rows[:kept], weight, None, counts, not transposed)
+        out[:kept] = run(rows[:kept], weight, None, counts, not transposed)
     return out
 
 
@@ -95,16 +95,16 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
         return None if grad_rows is None else _zero_tail(grad_rows, offsets), grad_weight
     counts = _counts(offsets)
     kept = sum(counts)
-    grad_rows = torch.zeros_like(rows) if need_rows else None
+    mask = [need_rows, need_weight, False]
     if rows.device.type == "cpu":
-        mask = [need_rows, need_weight, False]
         grads = torch.ops.tutel.grouped_linear_backward(grad[:kept], rows[:kept].contiguous(), weight, counts,
                                                         not transposed, mask)
     else:
-        grads = grouped_linear_backward_loop(grad[:kept], rows[:kept], weight, counts, not transposed,
-                                             [need_rows, need_weight, False])
+        grads = grouped_linear_backward_loop(grad[:kept], rows[:kept], weight, counts, not transposed, mask)
+    grad_rows = None
     if need_rows:
-        grad_rows[:kept] = grads[0]
+        grad_rows = grads[0] if kept == rows.shape[0] else torch.cat([grads[0], rows.new_zeros(
+            (rows.shape[0] - kept, rows.shape[1]))])
     return grad_rows, (grads[1] if need_weight else None)
 
 
