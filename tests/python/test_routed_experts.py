@@ -220,3 +220,32 @@ def test_bad_arguments_name_what_is_wrong():
         routed_experts(x, ids, weights, up, down, gate="swiglu", transposed=True)
     with pytest.raises(ValueError, match="up_bias"):
         routed_experts(x, ids, weights, up, down, gate="swiglu", up_bias=torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("gate_kind", ["swiglu", "gate_fn", "activation"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, gate_kind, dtype):
+    """Inference runs the grouped rows in pieces (experts cut across piece ends, dropped choices in
+    the last piece, biases picked per row); forced here to 7 rows per piece."""
+    import tutel.experts.routed as routed
+    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    gated = gate_kind != "activation"
+    x, ids, weights, up, down, up_bias, down_bias = make_case(23, 16, 8, 12, 5, 3, gated, transposed, True, True,
+                                                              dtype, seed=21)
+    norm = lambda o: o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
+    kwargs = dict(up_bias=up_bias, down_bias=down_bias, transposed=transposed, post_fn=norm)
+    if gate_kind == "swiglu":
+        kwargs.update(gate="swiglu")
+    elif gate_kind == "gate_fn":
+        kwargs.update(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+    else:
+        kwargs.update(activation=torch.tanh)
+    assert routed._piece_rows(x.detach(), up.detach(), None, None, transposed) == 7
+    with torch.no_grad():
+        y = routed_experts(x, ids, weights, up, down, **kwargs)
+    leaves = [t.detach().double() for t in (x, weights, up, down, up_bias, down_bias)]
+    ref = reference(leaves[0], ids, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], transposed, gated, norm)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)

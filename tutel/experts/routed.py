@@ -43,6 +43,7 @@ from ..impls.autocast import autocast_dtype
 from ..ops.checks import require_dim, require_floating, require_tensor
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype
+from ..ops.tracing import is_compiling
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -88,6 +89,59 @@ def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan
     # The dropped rows (sorted last) must send no gradient into the last expert's bias.
     rows = torch.where((plan.sorted_ids < num_experts).unsqueeze(1), rows, torch.zeros_like(rows))
     return out + rows.to(out.dtype)
+
+
+class _ExpertsCall(NamedTuple):
+    """The experts of one routed_experts call, applied to grouped rows."""
+    up_weight: torch.Tensor
+    down_weight: torch.Tensor
+    up_bias: Optional[torch.Tensor]
+    down_bias: Optional[torch.Tensor]
+    transposed: bool
+    gate: Optional[str]
+    gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+    def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
+        hidden = _add_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan)
+        if self.gate == SWIGLU:
+            hidden = swiglu(hidden)
+        elif self.gate_fn is not None:
+            hidden = self.gate_fn(hidden)
+        else:
+            hidden = self.activation(hidden)
+        if hidden.dtype != self.down_weight.dtype:
+            hidden = hidden.to(self.down_weight.dtype)
+        out = _add_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan)
+        return out if self.post_fn is None else self.post_fn(out)
+
+
+# Without autograd on CPU the grouped rows go through the experts in pieces whose up projection
+# takes about this many bytes: the intermediates then stay near the caches and below glibc's
+# mmap threshold, so they are reused instead of being fresh pages the OS zeroes on every call
+# (transformers' per-expert loop gets the same for free).  A piece cuts at most one expert's
+# rows in two, so at least _MIN_PIECE_ROWS keep the GEMMs large.
+_PIECE_BYTES = 8 << 20
+_MIN_PIECE_ROWS = 512
+
+
+def _piece_rows(rows: torch.Tensor, up_weight: torch.Tensor, up_bias, down_bias, transposed: bool) -> int:
+    """Rows per piece (the whole buffer where pieces do not apply: tracing, autograd, devices)."""
+    total = rows.shape[0]
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (rows, up_weight, up_bias, down_bias))
+    if rows.device.type != "cpu" or grads or is_compiling():
+        return total
+    width = up_weight.shape[2] if transposed else up_weight.shape[1]
+    return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, width * up_weight.element_size()))
+
+
+def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
+    """The routing plan of grouped rows [start, end): group ends shifted and clipped to the piece."""
+    offsets = (plan.offsets - start).clamp(0, end - start)
+    return RoutingPlan(plan.indices, plan.locations, plan.sorted_ids[start:end], plan.counts, offsets)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -193,18 +247,18 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
-    hidden = _add_bias(_grouped_rows_matmul(rows, up_weight, transposed, plan), up_bias, plan)
-    if gate == SWIGLU:
-        hidden = swiglu(hidden)
-    elif gate_fn is not None:
-        hidden = gate_fn(hidden)
+    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn)
+    piece = _piece_rows(rows, up_weight, up_bias, down_bias, transposed)
+    if piece >= total:
+        out = experts(rows, plan)
     else:
-        hidden = activation(hidden)
-    if hidden.dtype != down_weight.dtype:
-        hidden = hidden.to(down_weight.dtype)
-    out = _add_bias(_grouped_rows_matmul(hidden, down_weight, transposed, plan), down_bias, plan)
-    if post_fn is not None:
-        out = post_fn(out)
+        out = None
+        for start in range(0, total, piece):
+            end = min(total, start + piece)
+            part = experts(rows[start:end], _plan_piece(plan, start, end))
+            if out is None:
+                out = part.new_empty((total, part.shape[1]))
+            out[start:end] = part
     gates = None if weights is None else weights.t()
     y = ops.decode(out.reshape(1, total, out.shape[-1]), plan.indices, plan.locations, gates=gates)
     return y.to(out_dtype)
