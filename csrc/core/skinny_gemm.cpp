@@ -45,8 +45,10 @@ void portable_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t
 }
 
 // Outputs per parallel work item: enough to amortise a task, few enough that a single expert's
-// product (decoding one token) still splits across every thread.
+// product (decoding one token) still splits across every thread.  A [K, O] matrix is read a
+// strip of outputs at a time, one short run per matrix row; wider strips make longer runs.
 constexpr int64_t kOutputsPerTile = 64;
+constexpr int64_t kOutputsPerStrip = 256;
 
 }  // namespace
 
@@ -70,13 +72,14 @@ void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inne
   const SkinnyKernels<T>& kernels = skinny_kernels<T>();
   const SkinnyKernel<T> kernel =
       layout == WeightLayout::kOutputsByInner ? kernels.outputs_by_inner : kernels.inner_by_outputs;
-  const int64_t tiles = (outputs + kOutputsPerTile - 1) / kOutputsPerTile;
+  const int64_t tile = layout == WeightLayout::kOutputsByInner ? kOutputsPerTile : kOutputsPerStrip;
+  const int64_t tiles = (outputs + tile - 1) / tile;
   const int64_t items = int64_t(products.size()) * tiles;
   parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const SkinnyProduct<T>& p = products[item / tiles];
-      const int64_t o_begin = (item % tiles) * kOutputsPerTile;
-      kernel(p, inner, o_begin, std::min(outputs, o_begin + kOutputsPerTile));
+      const int64_t o_begin = (item % tiles) * tile;
+      kernel(p, inner, o_begin, std::min(outputs, o_begin + tile));
     }
   });
 }

@@ -120,12 +120,13 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
 }
 
 // Blocks of the [K, O] layout.  The matrix is walked in chunks of kChunkInner rows by a tile of
-// at most kTileOutputs outputs: a chunk (16 KiB of float32) stays in L1 while every token row
-// multiplies it, and the tile's float sums wait in `acc` between chunks.  Walking all K rows
-// for one narrow block at a time instead touches a new page per row (each row of a large
-// matrix is a page or more apart) and re-reads the matrix for every pair of token rows.
-constexpr int64_t kChunkInner = 64;
-constexpr int64_t kTileOutputs = 64;
+// at most kTileOutputs outputs: a chunk (32 KiB of float32) stays in L1/L2 while every token row
+// multiplies it, and the tile's float sums wait in `acc` between chunks.  Each matrix row is read
+// as one 1 KiB run; walking all K rows for one 32-output block at a time instead touched a new
+// page for every 128 bytes and re-read the matrix for every pair of token rows (1.2-1.4x slower
+// at 16 rows, benchmarks/grouped_gemm.py's shapes; 64-output tiles were 10-20% slower than 256).
+constexpr int64_t kChunkInner = 32;
+constexpr int64_t kTileOutputs = 256;
 
 // acc[(r + j) * kTileOutputs + c ..] (pairs of vectors, in Pairs<T> order) += x[r + j, k] * W[k, o + c ..]
 // for k in [k0, k1), j < NR, c < 16 NP.

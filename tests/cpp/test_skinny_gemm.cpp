@@ -18,7 +18,7 @@ struct Case {
 };
 
 const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
-                       {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}};
+                       {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600}};
 
 double unit_rounding(float) { return std::ldexp(1.0, -24); }
 double unit_rounding(double) { return std::ldexp(1.0, -53); }

@@ -2,7 +2,7 @@
 path beside them (larger groups), forward and the input gradient, against float64 sums.
 
 Sizes straddle the kernels' blocks: inner 1..33 around the 16-element pairs, outputs around the
-4-output and 16/32-output register blocks and the 64-output parallel tiles, groups of 0, 1, 2,
+4-output and 16/32-output register blocks, the 64-output tiles and 256-output strips, groups of 0, 1, 2,
 31, 32 and 33 rows (the last on the GEMM side of the threshold) in one call, both weight
 layouts, with and without a bias, and weights that are views with a strided last dim (which the
 skinny kernels do not take).
@@ -56,7 +56,7 @@ def random_operands(groups, inner, outputs, outputs_by_inner, with_bias, dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("outputs_by_inner", [True, False])
-@pytest.mark.parametrize("inner,outputs", [(1, 1), (7, 5), (16, 16), (17, 33), (33, 65), (48, 130), (100, 31)])
+@pytest.mark.parametrize("inner,outputs", [(1, 1), (7, 5), (16, 16), (17, 33), (33, 65), (48, 130), (100, 31), (70, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_forward_matches_float64(dtype, outputs_by_inner, inner, outputs, with_bias):
     x, weight, bias = random_operands(GROUPS, inner, outputs, outputs_by_inner, with_bias, dtype, inner * 100 + outputs)
