@@ -373,7 +373,8 @@ products, which stream each active expert's weights once (bf16 widened in regist
 PyTorch's GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below
 the machine's bandwidth (table "Grouped expert products" below).  At large T both sides run
 PyTorch's GEMM per expert, so the gap is what surrounds the GEMMs (one fused gate+up product,
-dispatch and combine in single passes); on a CPU without native bf16 dot products tutel runs
+dispatch and combine in single passes; in inference the rows go through the experts in ~8 MiB
+pieces, so the intermediates stay cached and reused as the eager loop's per-expert ones do); on a CPU without native bf16 dot products tutel runs
 16-bit GEMMs in float32 once experts average 32 rows, which transformers' backends do not.  The
 bf16 compute limit uses the bf16 GEMM rate, as defined; where that rate is far below float32's
 (no native bf16), a bf16 *tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
