@@ -50,6 +50,24 @@ void portable_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t
 constexpr int64_t kOutputsPerTile = 64;
 constexpr int64_t kOutputsPerStrip = 256;
 
+// Whether every product has at most kStreamMaxRows rows (the [K, O] kernels then read whole
+// matrix rows in order, see skinny_gemm.h).
+template <class T>
+bool streams_whole_rows(const std::vector<SkinnyProduct<T>>& products) {
+  return std::all_of(products.begin(), products.end(),
+                     [](const SkinnyProduct<T>& p) { return p.rows <= kStreamMaxRows; });
+}
+
+// The widest tiles (a multiple of 16 outputs) that still give every thread a tile: a whole
+// matrix per tile once there are as many products as threads, so each task reads one
+// contiguous matrix front to back.
+inline int64_t stream_tile_outputs(size_t products, int64_t outputs) {
+  const int64_t threads = max_parallelism();
+  const int64_t per_product = std::max<int64_t>(1, (threads + int64_t(products) - 1) / int64_t(products));
+  const int64_t tile = (outputs + per_product - 1) / per_product;
+  return std::max<int64_t>(16, (tile + 15) / 16 * 16);
+}
+
 }  // namespace
 
 template <class T>
@@ -72,7 +90,9 @@ void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inne
   const SkinnyKernels<T>& kernels = skinny_kernels<T>();
   const SkinnyKernel<T> kernel =
       layout == WeightLayout::kOutputsByInner ? kernels.outputs_by_inner : kernels.inner_by_outputs;
-  const int64_t tile = layout == WeightLayout::kOutputsByInner ? kOutputsPerTile : kOutputsPerStrip;
+  const int64_t tile = layout == WeightLayout::kOutputsByInner ? kOutputsPerTile
+                       : streams_whole_rows(products)   ? stream_tile_outputs(products.size(), outputs)
+                                                        : kOutputsPerStrip;
   const int64_t tiles = (outputs + tile - 1) / tile;
   const int64_t items = int64_t(products.size()) * tiles;
   parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -196,9 +196,68 @@ TUTEL_AVX2_FMA void axpy_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t 
   }
 }
 
+// acc[j * width + c ..] += sum_{k < NK} x[r + j, k0 + k] * W[k0 + k, o + c ..] for c < width (a multiple
+// of 16), j < NR: NK whole matrix rows per pass, each read front to back.
+template <class T, int NK, int NR>
+TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, float* acc) {
+  __m256 xb[NR][NK];
+  for (int j = 0; j < NR; ++j)
+    for (int k = 0; k < NK; ++k) xb[j][k] = _mm256_set1_ps(Scalar<T>::load(p.x[j * p.x_stride + k0 + k]));
+  const T* w[NK];
+  for (int k = 0; k < NK; ++k) w[k] = p.w + (k0 + k) * p.w_stride + o;
+  for (int64_t c = 0; c < width; c += 16) {
+    __m256 sum[NR][2];
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) sum[j][h] = _mm256_loadu_ps(acc + j * width + c + 8 * h);
+    for (int k = 0; k < NK; ++k) {
+      __m256 wv[2];
+      Pairs<T>::load2(w[k] + c, wv);
+      for (int j = 0; j < NR; ++j)
+        for (int h = 0; h < 2; ++h) sum[j][h] = _mm256_fmadd_ps(wv[h], xb[j][k], sum[j][h]);
+    }
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + j * width + c + 8 * h, sum[j][h]);
+  }
+}
+
+// Outputs [o, o + width), width a multiple of 16, for up to kStreamMaxRows token rows: the matrix rows are
+// read whole and in order (one stream the hardware prefetchers follow), the sums wait in `acc`.
+// The chunked tiles above read 1 KiB runs at the matrix's row stride and reached 2/3 of the
+// [O, K] kernels' bandwidth for a single row (float32; half for bfloat16).
+template <class T, int NR>
+TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t width,
+                                std::vector<float>& acc) {
+  acc.assign(NR * width, 0.f);
+  if (p.bias) {  // the sums start from the bias, in Pairs<T> order like every sum here
+    for (int64_t c = 0; c < width; c += 16) {
+      __m256 start[2];
+      Pairs<T>::load2(p.bias + o + c, start);
+      for (int j = 0; j < NR; ++j) {
+        _mm256_storeu_ps(acc.data() + j * width + c, start[0]);
+        _mm256_storeu_ps(acc.data() + j * width + c + 8, start[1]);
+      }
+    }
+  }
+  int64_t k = 0;
+  for (; k + 4 <= inner; k += 4) stream_rows<T, 4, NR>(p, k, o, width, acc.data());
+  for (; k < inner; ++k) stream_rows<T, 1, NR>(p, k, o, width, acc.data());
+  for (int j = 0; j < NR; ++j)
+    for (int64_t c = 0; c < width; c += 16) {
+      const __m256 v[2] = {_mm256_loadu_ps(acc.data() + j * width + c), _mm256_loadu_ps(acc.data() + j * width + c + 8)};
+      Pairs<T>::store2(p.y + j * p.y_stride + o + c, v);
+    }
+}
+
 template <class T>
 TUTEL_AVX2_FMA void avx2_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
   std::vector<float> acc;
+  const int64_t aligned_end = o_begin + (o_end - o_begin) / 16 * 16;
+  if (p.rows <= kStreamMaxRows && aligned_end > o_begin) {
+    if (p.rows == 1) stream_tile<T, 1>(p, inner, o_begin, aligned_end - o_begin, acc);
+    else stream_tile<T, 2>(p, inner, o_begin, aligned_end - o_begin, acc);
+    if (aligned_end < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, aligned_end, o_end);
+    return;
+  }
   int64_t o = o_begin;
   for (; o + 16 <= o_end; o += kTileOutputs) axpy_tile(p, inner, o, std::min(kTileOutputs, (o_end - o) / 16 * 16), acc);
   o = o_begin + (o_end - o_begin) / 16 * 16;

@@ -18,7 +18,8 @@ struct Case {
 };
 
 const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
-                       {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600}};
+                       {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600},
+                       {1, 70, 600}, {2, 9, 300}};  // the last two: whole-row streams of [K, O]
 
 double unit_rounding(float) { return std::ldexp(1.0, -24); }
 double unit_rounding(double) { return std::ldexp(1.0, -53); }
@@ -99,12 +100,13 @@ TYPED_TEST(SkinnyGemmTest, VectorisedKernelsMatchDoubleSums) {
   check_kernels(*kernels);
 }
 
-TYPED_TEST(SkinnyGemmTest, DriverRunsEveryProductAndTile) {
-  // 3 products of different row counts, 150 outputs (three 64-output tiles, the last partial).
-  using T = TypeParam;
+// Runs skinny_products on products with the given row counts and checks every output.
+template <class T>
+void check_driver(const std::vector<int64_t>& rows, WeightLayout layout) {
   std::mt19937 rng(3);
   std::normal_distribution<float> dist(0.f, 1.f);
-  const int64_t inner = 40, outputs = 150, rows[] = {1, 4, 2};
+  const int64_t inner = 40, outputs = 150;
+  const bool by_inner = layout == WeightLayout::kOutputsByInner;
   std::vector<std::vector<T>> xs, ws, ys;
   std::vector<SkinnyProduct<T>> products;
   for (int64_t n : rows) {
@@ -115,21 +117,34 @@ TYPED_TEST(SkinnyGemmTest, DriverRunsEveryProductAndTile) {
     for (auto& v : ws.back()) v = Scalar<T>::store(dist(rng));
   }
   for (size_t i = 0; i < xs.size(); ++i)
-    products.push_back({xs[i].data(), inner, ws[i].data(), inner, nullptr, ys[i].data(), outputs, rows[i]});
-  skinny_products(products, inner, outputs, WeightLayout::kOutputsByInner);
+    products.push_back({xs[i].data(), inner, ws[i].data(), by_inner ? inner : outputs, nullptr, ys[i].data(),
+                        outputs, rows[i]});
+  skinny_products(products, inner, outputs, layout);
   for (size_t i = 0; i < xs.size(); ++i) {
     for (int64_t r = 0; r < rows[i]; ++r) {
       for (int64_t o = 0; o < outputs; ++o) {
         double sum = 0, scale = 0;
         for (int64_t k = 0; k < inner; ++k) {
-          const double term = value(xs[i][r * inner + k]) * value(ws[i][o * inner + k]);
+          const double term = value(xs[i][r * inner + k]) * value(ws[i][by_inner ? o * inner + k : k * outputs + o]);
           sum += term;
           scale += std::fabs(term);
         }
         EXPECT_LE(std::fabs(value(ys[i][r * outputs + o]) - sum),
-                  unit_rounding(T()) * std::fabs(sum) + (inner + 2) * std::ldexp(1.0, -24) * scale);
+                  unit_rounding(T()) * std::fabs(sum) + (inner + 2) * std::ldexp(1.0, -24) * scale)
+            << "product " << i << " row " << r << " output " << o << (by_inner ? " [O, K]" : " [K, O]");
       }
     }
+  }
+}
+
+TYPED_TEST(SkinnyGemmTest, DriverRunsEveryProductAndTile) {
+  // 150 outputs: three 64-output tiles (the last partial) or one partial 256-output strip; with at
+  // most 2 rows per product the [K, O] tiles are as wide as the thread count allows (a lone
+  // product split across threads, 16-output blocks plus a remainder).
+  for (WeightLayout layout : {WeightLayout::kOutputsByInner, WeightLayout::kInnerByOutputs}) {
+    check_driver<TypeParam>({1, 4, 2}, layout);
+    check_driver<TypeParam>({1, 2, 1}, layout);
+    check_driver<TypeParam>({2}, layout);
   }
 }
 

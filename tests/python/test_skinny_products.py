@@ -3,8 +3,9 @@ path beside them (larger groups), forward and the input gradient, against float6
 
 Sizes straddle the kernels' blocks: inner 1..33 around the 16-element pairs, outputs around the
 4-output and 16/32-output register blocks, the 64-output tiles and 256-output strips, groups of 0, 1, 2,
-31, 32 and 33 rows (the last on the GEMM side of the threshold) in one call, both weight
-layouts, with and without a bias, and weights that are views with a strided last dim (which the
+31, 32 and 33 rows (the last on the GEMM side of the threshold) in one call, calls whose groups
+all hold at most 2 rows (decoding: the [K, O] kernels then stream whole matrix rows in tiles as
+wide as the thread count allows, a single product split across threads), both weight layouts, with and without a bias, and weights that are views with a strided last dim (which the
 skinny kernels do not take).
 """
 import pytest
@@ -15,6 +16,8 @@ import tutel  # noqa: F401  (loads the operators)
 # Rounding of one result in each dtype plus the float32 accumulation over `inner` terms.
 UNIT_ROUNDING = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 GROUPS = [2, 0, 1, 33, 31, 32, 0, 5]
+# Decoding: every group at most kStreamMaxRows (2) rows; one product alone, and several.
+DECODE_GROUPS = ([1], [2], [1, 0, 2, 1, 1])
 
 
 def reference(x, weight, bias, group_rows, outputs_by_inner):
@@ -58,26 +61,28 @@ def random_operands(groups, inner, outputs, outputs_by_inner, with_bias, dtype, 
 @pytest.mark.parametrize("outputs_by_inner", [True, False])
 @pytest.mark.parametrize("inner,outputs", [(1, 1), (7, 5), (16, 16), (17, 33), (33, 65), (48, 130), (100, 31), (70, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_forward_matches_float64(dtype, outputs_by_inner, inner, outputs, with_bias):
-    x, weight, bias = random_operands(GROUPS, inner, outputs, outputs_by_inner, with_bias, dtype, inner * 100 + outputs)
-    got = torch.ops.tutel.grouped_linear(x, weight, bias, GROUPS, outputs_by_inner)
-    assert got.dtype == dtype and got.shape == (sum(GROUPS), outputs)
-    assert_within_rounding(got, x, weight, bias, GROUPS, outputs_by_inner, dtype)
+@pytest.mark.parametrize("groups", [GROUPS, *DECODE_GROUPS], ids=["mixed", "one_row", "two_rows", "decode"])
+def test_forward_matches_float64(dtype, outputs_by_inner, inner, outputs, with_bias, groups):
+    x, weight, bias = random_operands(groups, inner, outputs, outputs_by_inner, with_bias, dtype, inner * 100 + outputs)
+    got = torch.ops.tutel.grouped_linear(x, weight, bias, groups, outputs_by_inner)
+    assert got.dtype == dtype and got.shape == (sum(groups), outputs)
+    assert_within_rounding(got, x, weight, bias, groups, outputs_by_inner, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("outputs_by_inner", [True, False])
 @pytest.mark.parametrize("inner,outputs", [(1, 3), (15, 17), (40, 33), (64, 100)])
-def test_input_gradient_matches_float64(dtype, outputs_by_inner, inner, outputs):
+@pytest.mark.parametrize("groups", [GROUPS, DECODE_GROUPS[-1]], ids=["mixed", "decode"])
+def test_input_gradient_matches_float64(dtype, outputs_by_inner, inner, outputs, groups):
     """d x = d y @ W_g (or @ W_g^T): the same kernels read the matrix the other way round."""
-    x, weight, _ = random_operands(GROUPS, inner, outputs, outputs_by_inner, False, dtype, inner + outputs)
-    grad = torch.randn(sum(GROUPS), outputs, generator=torch.Generator().manual_seed(7)).to(dtype)
-    grad_x, grad_weight, _ = torch.ops.tutel.grouped_linear_backward(grad, x, weight, GROUPS, outputs_by_inner,
+    x, weight, _ = random_operands(groups, inner, outputs, outputs_by_inner, False, dtype, inner + outputs)
+    grad = torch.randn(sum(groups), outputs, generator=torch.Generator().manual_seed(7)).to(dtype)
+    grad_x, grad_weight, _ = torch.ops.tutel.grouped_linear_backward(grad, x, weight, groups, outputs_by_inner,
                                                                      [True, True, False])
     # d x = grad @ W^T in the forward's terms: the forward of `grad` with the layout flipped.
-    assert_within_rounding(grad_x, grad, weight, None, GROUPS, not outputs_by_inner, dtype)
+    assert_within_rounding(grad_x, grad, weight, None, groups, not outputs_by_inner, dtype)
     start = 0
-    for g, count in enumerate(GROUPS):
+    for g, count in enumerate(groups):
         rows, rows_grad = x[start:start + count].double(), grad[start:start + count].double()
         expected = rows_grad.t() @ rows if outputs_by_inner else rows.t() @ rows_grad
         torch.testing.assert_close(grad_weight[g].double(), expected, rtol=UNIT_ROUNDING[dtype] * 4,
@@ -102,16 +107,20 @@ def test_special_values_propagate():
     assert torch.isfinite(got[:2]).all() and torch.isfinite(got[2:, :5]).all()
 
 
-def test_every_thread_count_gives_the_same_result():
-    """The outputs are split into tiles across threads; each output is summed by one thread in
-    a fixed order, so the result does not depend on how many threads run."""
-    x, weight, bias = random_operands([1, 7, 0, 20], 96, 200, True, True, torch.bfloat16, 5)
+@pytest.mark.parametrize("outputs_by_inner", [True, False])
+@pytest.mark.parametrize("groups", [[1, 7, 0, 20], [1, 2, 0, 1]], ids=["mixed", "decode"])
+def test_every_thread_count_gives_the_same_result(outputs_by_inner, groups):
+    """The outputs are split into tiles across threads (decoding: as many as there are threads);
+    each output is summed by one thread in a fixed order, so the result does not depend on how
+    many threads run."""
+    x, weight, bias = random_operands(groups, 96, 200, outputs_by_inner, True, torch.bfloat16, 5)
     before = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results.append(torch.ops.tutel.grouped_linear(x, weight, bias, [1, 7, 0, 20], True))
+            results.append(torch.ops.tutel.grouped_linear(x, weight, bias, groups, outputs_by_inner))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(results[0], r) for r in results[1:])
+    assert_within_rounding(results[0], x, weight, bias, groups, outputs_by_inner, torch.bfloat16)
