@@ -60,7 +60,19 @@ class RoutingPlan(NamedTuple):
 
 
 def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """Sorts the T*k choices by expert, with tensor operations only (no host synchronisation)."""
+    """Sorts the T*k choices by expert (stably, token-major; ids outside [0, E) last).
+
+    On CPU one counting pass of tutel's ``group_by_expert`` operator; on devices tensor operations
+    only (a comparison sort, no host synchronisation).  At small T the dozen small operations of
+    the latter cost more than the experts' arithmetic around them."""
+    if expert_ids.device.type == "cpu":
+        locations, sorted_ids, counts, ends = torch.ops.tutel.group_by_expert(expert_ids, num_experts)
+        return RoutingPlan(torch.zeros_like(locations), locations, sorted_ids, counts, ends)
+    return _plan_routing_by_sort(expert_ids, num_experts)
+
+
+def _plan_routing_by_sort(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+    """plan_routing with tensor operations (any device)."""
     tokens, k = expert_ids.shape
     ids = expert_ids.reshape(-1).long()
     total = ids.numel()

@@ -23,6 +23,13 @@ def _assign_locations(indices, num_experts, priority):
     return torch.empty_like(indices), indices.new_empty((indices.shape[0], num_experts))
 
 
+@register_fake("tutel::group_by_expert")
+def _group_by_expert(expert_ids, num_experts):
+    tokens, k = expert_ids.shape
+    return (expert_ids.new_empty((k, tokens), dtype=torch.int32), expert_ids.new_empty((tokens * k,), dtype=torch.int64),
+            expert_ids.new_empty((num_experts,), dtype=torch.int64), expert_ids.new_empty((num_experts,), dtype=torch.int32))
+
+
 @register_fake("tutel::cumsum_sub_one")
 def _cumsum_sub_one(mask):
     floating = mask.dtype in (torch.float32, torch.float64)

@@ -62,9 +62,39 @@ std::tuple<at::Tensor, at::Tensor> assign_locations_cpu(const at::Tensor& indice
                     "assign_locations");
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids_in,
+                                                                               int64_t experts) {
+  const char* op = "group_by_expert";
+  TORCH_CHECK_VALUE(expert_ids_in.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ",
+                    expert_ids_in.dim(), " dims");
+  TORCH_CHECK_TYPE(at::isIntegralType(expert_ids_in.scalar_type(), /*includeBool=*/false), "tutel::", op,
+                   ": `expert_ids` must hold integers, got ", expert_ids_in.scalar_type());
+  TORCH_CHECK_VALUE(experts >= 1, "tutel::", op, ": `num_experts` must be >= 1, got ", experts);
+  const int64_t tokens = expert_ids_in.size(0), k = expert_ids_in.size(1);
+  TORCH_CHECK_VALUE(tokens * k < (int64_t(1) << 31) && experts < (int64_t(1) << 31), "tutel::", op,
+                    ": at most 2^31 - 1 choices and experts (int32 locations), got ", tokens * k, " choices and ",
+                    experts, " experts");
+  const bool narrow = expert_ids_in.scalar_type() == at::kInt;
+  const at::Tensor ids = narrow ? expert_ids_in.contiguous() : expert_ids_in.to(at::kLong).contiguous();
+  const auto options = ids.options();
+  at::Tensor locations = at::empty({k, tokens}, options.dtype(at::kInt));
+  at::Tensor sorted_ids = at::empty({tokens * k}, options.dtype(at::kLong));
+  at::Tensor counts = at::empty({experts}, options.dtype(at::kLong));
+  at::Tensor ends = at::empty({experts}, options.dtype(at::kInt));
+  if (narrow) {
+    core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
+                                  sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
+  } else {
+    core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
+                                  sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
+  }
+  return {locations, sorted_ids, counts, ends};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tutel, CPU, m) {
+  m.impl("group_by_expert", &group_by_expert_cpu);
   m.impl("route_topk", &route_topk_cpu);
   m.impl("assign_locations", &assign_locations_cpu);
 }
