@@ -56,11 +56,14 @@ struct Pairs<bfloat16> {
   }
 };
 
-// How far ahead of the loads each matrix row is prefetched.  The rows of a block are short
-// streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up late; the gain
-// measured on Zen 1 was small (about 10% for bfloat16 rows, near this VM's noise), 256 to 4096
-// bytes ahead alike.  Prefetches never fault, so reading past the matrix's end is harmless.
-constexpr int kPrefetchBytes = 1024;
+// Each matrix row is prefetched from the row this many rows further on, at the same column: a
+// tile's rows are consecutive, so this walks the tile's contiguous block a few KiB ahead of the
+// loads.  The rows of a block are short streams (2 KiB for 512 floats) that the hardware
+// prefetchers pick up late; measured on Zen 1 (one token row, 8 of 64 experts): bfloat16
+// 13 -> 17 GB/s, float32 with 512-element rows 15 -> 16 GB/s.  Prefetching 1 KiB ahead in the
+// same row gained less (about 10% for bfloat16).  Prefetches never fault, so reading past the
+// matrix's end is harmless.
+constexpr int kPrefetchRowsAhead = 8;
 
 TUTEL_AVX2_FMA inline float horizontal_sum(__m256 v) {
   const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -89,7 +92,7 @@ TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
     for (int j = 0; j < NR; ++j) Pairs<T>::load2(x[j] + k, xv[j]);
     for (int i = 0; i < NO; ++i) {
       __m256 wv[2];
-      _mm_prefetch(reinterpret_cast<const char*>(w[i] + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[i] + k + kPrefetchRowsAhead * p.w_stride), _MM_HINT_T0);
       Pairs<T>::load2(w[i] + k, wv);
       for (int j = 0; j < NR; ++j) {
         acc[i][j][0] = _mm256_fmadd_ps(wv[0], xv[j][0], acc[i][j][0]);
