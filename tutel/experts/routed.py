@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..impls.autocast import autocast_dtype
-from ..ops.checks import require_dim, require_floating, require_tensor
+from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype
 from ..ops.tracing import is_compiling
@@ -156,6 +156,15 @@ def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
     return RoutingPlan(plan.indices, plan.locations, plan.sorted_ids[start:end], plan.counts, offsets)
 
 
+def _lean_call(x, weights, *parameters) -> bool:
+    """Whether dispatch and combine may call tutel's CPU operators directly: on CPU, eager, and
+    nothing to differentiate (the arguments were checked by routed_experts and the plan is tutel's)."""
+    if x.device.type != "cpu" or is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (x, weights, *parameters)))
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [n, 2I] = [gate | up].
 
@@ -258,7 +267,12 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         x, up_weight, down_weight = x.to(wide), up_weight.to(wide), down_weight.to(wide)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
-    rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
+    lean = _lean_call(x, weights, up_weight, down_weight, up_bias, down_bias)
+    if lean:  # the operators straight away: tutel.ops' checks and autograd wrappers cost more than T=1's rows
+        rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, total)[0]
+        rows = rows.view(total, x.shape[1])
+    else:
+        rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn)
     piece = _piece_rows(rows, up_weight, up_bias, down_bias, transposed)
     if piece >= total:
@@ -272,5 +286,11 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
                 out = part.new_empty((total, part.shape[1]))
             out[start:end] = part
     gates = None if weights is None else weights.t()
-    y = ops.decode(out.reshape(1, total, out.shape[-1]), plan.indices, plan.locations, gates=gates)
+    out = out.reshape(1, total, out.shape[-1])
+    if lean:
+        if gates is not None:
+            gates = gates.to(accumulation_dtype(out.dtype)).contiguous()
+        y = torch.ops.tutel.gather_slots(out, plan.indices, plan.locations, gates, None)[0]
+    else:
+        y = ops.decode(out, plan.indices, plan.locations, gates=gates)
     return y.to(out_dtype)
