@@ -43,7 +43,7 @@ from ..impls.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype
-from ..ops.tracing import is_compiling
+from ..ops.tracing import eager_without_grad
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -142,9 +142,7 @@ _MIN_PIECE_ROWS = 512
 def _piece_rows(rows: torch.Tensor, up_weight: torch.Tensor, up_bias, down_bias, transposed: bool) -> int:
     """Rows per piece (the whole buffer where pieces do not apply: tracing, autograd, devices)."""
     total = rows.shape[0]
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (rows, up_weight, up_bias, down_bias))
-    if rows.device.type != "cpu" or grads or is_compiling():
+    if rows.device.type != "cpu" or not eager_without_grad(rows, up_weight, up_bias, down_bias):
         return total
     width = up_weight.shape[2] if transposed else up_weight.shape[1]
     return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, width * up_weight.element_size()))
@@ -159,10 +157,7 @@ def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
 def _lean_call(x, weights, *parameters) -> bool:
     """Whether dispatch and combine may call tutel's CPU operators directly: on CPU, eager, and
     nothing to differentiate (the arguments were checked by routed_experts and the plan is tutel's)."""
-    if x.device.type != "cpu" or is_compiling():
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                for t in (x, weights, *parameters)))
+    return x.device.type == "cpu" and eager_without_grad(x, weights, *parameters)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

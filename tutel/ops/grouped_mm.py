@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
-from .tracing import is_compiling
+from .tracing import eager_without_grad
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -160,7 +160,7 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         transposed: the weight's layout.
     """
     offsets = offsets.to(torch.int32)
-    if not is_compiling() and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)):
+    if eager_without_grad(rows, weight):
         # Nothing to trace or differentiate: skip the custom operator's dispatch (a tenth of a
         # millisecond, as much as a decoding step's product of a small expert).
         return _forward(rows, weight, offsets, bool(transposed))

@@ -10,7 +10,7 @@ Two layouts of the tokens:
 ``weight_transposed=True``.  Gradients come back in the weight's own layout, so no transposing
 copy is made when they are accumulated.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
 from .precision import gemm_dtype
+from .tracing import eager_without_grad
 
 
 def _autocast_operands(x, weight):
@@ -137,4 +138,6 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             return out
         counts = torch.tensor(group_rows, device=bias.device)
         return out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+    if eager_without_grad(x, weight, bias):  # the operator itself: the autograd wrapper costs as much as T=1's product
+        return torch.ops.tutel.grouped_linear(x, weight, bias, group_rows, bool(weight_transposed))
     return _GroupedLinear.apply(x, weight, bias, group_rows, bool(weight_transposed))

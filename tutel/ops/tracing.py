@@ -1,4 +1,6 @@
-"""Whether torch.compile is tracing the current call, on every supported PyTorch."""
+"""Whether torch.compile is tracing the current call (on every supported PyTorch), and whether a call
+may skip the custom-operator and autograd wrappers."""
+from typing import Optional
 import torch
 
 
@@ -6,3 +8,12 @@ def is_compiling() -> bool:
     """True while torch.compile (Dynamo) traces; False on PyTorch versions without it."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def eager_without_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when nothing is traced and no gradient flows to any of `tensors` (None entries
+    allowed): the operators may then be called directly, without the custom-op dispatch and
+    autograd wrappers, whose cost matches a decoding step's arithmetic on small experts."""
+    if is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
