@@ -44,23 +44,13 @@ void portable_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t
   }
 }
 
-// Outputs per parallel work item: enough to amortise a task, few enough that a single expert's
-// product (decoding one token) still splits across every thread.  A [K, O] matrix is read a
-// strip of outputs at a time, one short run per matrix row; wider strips make longer runs.
+// Outputs per parallel work item of the [O, K] layout: enough to amortise a task, few enough that
+// a single expert's product (decoding one token) still splits across every thread.
 constexpr int64_t kOutputsPerTile = 64;
-constexpr int64_t kOutputsPerStrip = 256;
 
-// Whether every product has at most kStreamMaxRows rows (the [K, O] kernels then read whole
-// matrix rows in order, see skinny_gemm.h).
-template <class T>
-bool streams_whole_rows(const std::vector<SkinnyProduct<T>>& products) {
-  return std::all_of(products.begin(), products.end(),
-                     [](const SkinnyProduct<T>& p) { return p.rows <= kStreamMaxRows; });
-}
-
-// The widest tiles (a multiple of 16 outputs) that still give every thread a tile: a whole
-// matrix per tile once there are as many products as threads, so each task reads one
-// contiguous matrix front to back.
+// Tiles of the [K, O] layout: the widest (a multiple of 16 outputs) that still give every thread
+// one, so a task streams whole matrix rows (one contiguous matrix once there are as many
+// products as threads).
 inline int64_t stream_tile_outputs(size_t products, int64_t outputs) {
   const int64_t threads = max_parallelism();
   const int64_t per_product = std::max<int64_t>(1, (threads + int64_t(products) - 1) / int64_t(products));
@@ -91,8 +81,7 @@ void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inne
   const SkinnyKernel<T> kernel =
       layout == WeightLayout::kOutputsByInner ? kernels.outputs_by_inner : kernels.inner_by_outputs;
   const int64_t tile = layout == WeightLayout::kOutputsByInner ? kOutputsPerTile
-                       : streams_whole_rows(products)   ? stream_tile_outputs(products.size(), outputs)
-                                                        : kOutputsPerStrip;
+                                                                : stream_tile_outputs(products.size(), outputs);
   const int64_t tiles = (outputs + tile - 1) / tile;
   const int64_t items = int64_t(products.size()) * tiles;
   parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -31,11 +31,6 @@ enum class WeightLayout {
   kInnerByOutputs,  // [K, O]: y = x @ W
 };
 
-// [K, O] products of at most this many rows read whole matrix rows front to back (one stream
-// the hardware prefetchers follow) and get the widest tiles; larger ones walk the matrix in
-// strips of short runs that every row multiplies while they are in cache.
-constexpr int64_t kStreamMaxRows = 2;
-
 template <class T>
 struct SkinnyProduct {
   const T* x;  // rows x inner, row stride x_stride

@@ -2,10 +2,10 @@
 //
 // Register blocks: kOutputsByInner multiplies 4 matrix rows by 2 token rows per pass over k
 // (8 accumulators; each matrix vector loaded once serves both token rows), kInnerByOutputs
-// multiplies 32 outputs (4 vectors) of a matrix row by 2 broadcast token elements, over chunks
-// of the matrix that stay in L1 (see axpy_tile).  The matrix
-// is read once per pair of token rows and stays in L1 between pairs; 16-bit values widen to
-// float in registers, so a bfloat16 matrix costs half the memory traffic of a float32 one.
+// streams 4 whole matrix rows at a time past the sums of 4 token rows at a time (see
+// stream_tile).  Either way the matrix is read from memory once and stays in L1 while every
+// token row uses it; 16-bit values widen to float in registers, so a bfloat16 matrix costs half
+// the memory traffic of a float32 one.
 #include "skinny_gemm.h"
 
 #include <algorithm>
@@ -124,88 +124,13 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
   for (; o < o_end; ++o) dot_rows<T, 1>(p, inner, o);
 }
 
-// Blocks of the [K, O] layout.  The matrix is walked in chunks of kChunkInner rows by a tile of
-// at most kTileOutputs outputs: a chunk (32 KiB of float32) stays in L1/L2 while every token row
-// multiplies it, and the tile's float sums wait in `acc` between chunks.  Each matrix row is read
-// as one 1 KiB run; walking all K rows for one 32-output block at a time instead touched a new
-// page for every 128 bytes and re-read the matrix for every pair of token rows (1.2-1.4x slower
-// at 16 rows, benchmarks/grouped_gemm.py's shapes; 64-output tiles were 10-20% slower than 256).
-constexpr int64_t kChunkInner = 32;
-constexpr int64_t kTileOutputs = 256;
-
-// acc[(r + j) * kTileOutputs + c ..] (pairs of vectors, in Pairs<T> order) += x[r + j, k] * W[k, o + c ..]
-// for k in [k0, k1), j < NR, c < 16 NP.
-template <class T, int NP, int NR>
-TUTEL_AVX2_FMA void axpy_block(const SkinnyProduct<T>& p, int64_t k0, int64_t k1, int64_t o, int64_t c, int64_t r,
-                               float* acc) {
-  __m256 sum[NP][NR][2];
-  for (int i = 0; i < NP; ++i)
-    for (int j = 0; j < NR; ++j)
-      for (int h = 0; h < 2; ++h) sum[i][j][h] = _mm256_loadu_ps(acc + (r + j) * kTileOutputs + c + 16 * i + 8 * h);
-  const T* x[NR];
-  for (int j = 0; j < NR; ++j) x[j] = p.x + (r + j) * p.x_stride;
-  for (int64_t k = k0; k < k1; ++k) {
-    __m256 xb[NR];
-    for (int j = 0; j < NR; ++j) xb[j] = _mm256_set1_ps(Scalar<T>::load(x[j][k]));
-    const T* w = p.w + k * p.w_stride + o + c;
-    for (int i = 0; i < NP; ++i) {
-      __m256 wv[2];
-      Pairs<T>::load2(w + 16 * i, wv);
-      for (int j = 0; j < NR; ++j) {
-        sum[i][j][0] = _mm256_fmadd_ps(wv[0], xb[j], sum[i][j][0]);
-        sum[i][j][1] = _mm256_fmadd_ps(wv[1], xb[j], sum[i][j][1]);
-      }
-    }
-  }
-  for (int i = 0; i < NP; ++i)
-    for (int j = 0; j < NR; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (r + j) * kTileOutputs + c + 16 * i + 8 * h, sum[i][j][h]);
-}
-
-template <class T, int NP>
-TUTEL_AVX2_FMA void axpy_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t k1, int64_t o, int64_t c, float* acc) {
-  int64_t r = 0;
-  for (; r + 2 <= p.rows; r += 2) axpy_block<T, NP, 2>(p, k0, k1, o, c, r, acc);
-  if (r < p.rows) axpy_block<T, NP, 1>(p, k0, k1, o, c, r, acc);
-}
-
-// Outputs [o, o + width) with width a multiple of 16, at most kTileOutputs.
-template <class T>
-TUTEL_AVX2_FMA void axpy_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t width,
-                              std::vector<float>& acc) {
-  acc.assign(p.rows * kTileOutputs, 0.f);
-  if (p.bias) {
-    for (int64_t c = 0; c < width; c += 16) {
-      __m256 start[2];
-      Pairs<T>::load2(p.bias + o + c, start);
-      for (int64_t r = 0; r < p.rows; ++r) {
-        _mm256_storeu_ps(acc.data() + r * kTileOutputs + c, start[0]);
-        _mm256_storeu_ps(acc.data() + r * kTileOutputs + c + 8, start[1]);
-      }
-    }
-  }
-  for (int64_t k0 = 0; k0 < inner; k0 += kChunkInner) {
-    const int64_t k1 = std::min(inner, k0 + kChunkInner);
-    int64_t c = 0;
-    for (; c + 32 <= width; c += 32) axpy_rows<T, 2>(p, k0, k1, o, c, acc.data());
-    for (; c < width; c += 16) axpy_rows<T, 1>(p, k0, k1, o, c, acc.data());
-  }
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t c = 0; c < width; c += 16) {
-      const __m256 v[2] = {_mm256_loadu_ps(acc.data() + r * kTileOutputs + c),
-                           _mm256_loadu_ps(acc.data() + r * kTileOutputs + c + 8)};
-      Pairs<T>::store2(p.y + r * p.y_stride + o + c, v);
-    }
-  }
-}
-
-// acc[j * width + c ..] += sum_{k < NK} x[r + j, k0 + k] * W[k0 + k, o + c ..] for c < width (a multiple
-// of 16), j < NR: NK whole matrix rows per pass, each read front to back.
+// acc[j * width + c ..] += sum_{k < NK} xk[j * NK + k] * W[k0 + k, o + c ..] for c < width (a multiple
+// of 16), j < NR: NK whole matrix rows per pass, each read front to back.  xk holds the token rows'
+// NK elements as floats; they are broadcast from memory (one load each), which leaves the
+// registers to the sums.
 template <class T, int NK, int NR>
-TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, float* acc) {
-  __m256 xb[NR][NK];
-  for (int j = 0; j < NR; ++j)
-    for (int k = 0; k < NK; ++k) xb[j][k] = _mm256_set1_ps(Scalar<T>::load(p.x[j * p.x_stride + k0 + k]));
+TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, const float* xk,
+                                float* acc) {
   const T* w[NK];
   for (int k = 0; k < NK; ++k) w[k] = p.w + (k0 + k) * p.w_stride + o;
   for (int64_t c = 0; c < width; c += 16) {
@@ -215,36 +140,64 @@ TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o
     for (int k = 0; k < NK; ++k) {
       __m256 wv[2];
       Pairs<T>::load2(w[k] + c, wv);
-      for (int j = 0; j < NR; ++j)
-        for (int h = 0; h < 2; ++h) sum[j][h] = _mm256_fmadd_ps(wv[h], xb[j][k], sum[j][h]);
+      for (int j = 0; j < NR; ++j) {
+        const __m256 xb = _mm256_broadcast_ss(xk + j * NK + k);
+        for (int h = 0; h < 2; ++h) sum[j][h] = _mm256_fmadd_ps(wv[h], xb, sum[j][h]);
+      }
     }
     for (int j = 0; j < NR; ++j)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + j * width + c + 8 * h, sum[j][h]);
   }
 }
 
-// Outputs [o, o + width), width a multiple of 16, for up to kStreamMaxRows token rows: the matrix rows are
-// read whole and in order (one stream the hardware prefetchers follow), the sums wait in `acc`.
-// The chunked tiles above read 1 KiB runs at the matrix's row stride and reached 2/3 of the
-// [O, K] kernels' bandwidth for a single row (float32; half for bfloat16).
-template <class T, int NR>
+// Matrix rows [k0, k0 + NK) times token rows [r, r + NR) into their sums.
+template <class T, int NK, int NR>
+TUTEL_AVX2_FMA void stream_group(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, int64_t r,
+                                 float* acc) {
+  float xk[NR * NK];
+  for (int j = 0; j < NR; ++j)
+    for (int k = 0; k < NK; ++k) xk[j * NK + k] = Scalar<T>::load(p.x[(r + j) * p.x_stride + k0 + k]);
+  stream_rows<T, NK, NR>(p, k0, o, width, xk, acc + r * width);
+}
+
+// Matrix rows [k0, k0 + NK) times every token row, four at a time: the NK rows stay in L1 while
+// the groups of token rows pass over them.
+template <class T, int NK>
+TUTEL_AVX2_FMA void stream_all_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, float* acc) {
+  int64_t r = 0;
+  for (; r + 4 <= p.rows; r += 4) stream_group<T, NK, 4>(p, k0, o, width, r, acc);
+  switch (p.rows - r) {
+    case 3: stream_group<T, NK, 3>(p, k0, o, width, r, acc); break;
+    case 2: stream_group<T, NK, 2>(p, k0, o, width, r, acc); break;
+    case 1: stream_group<T, NK, 1>(p, k0, o, width, r, acc); break;
+    default: break;
+  }
+}
+
+// Outputs [o, o + width) (width a multiple of 16) of the [K, O] layout: the matrix rows of the
+// tile are read whole and in order, four at a time (one stream the hardware prefetchers
+// follow), every token row's float sums wait in `acc`.  Walking the matrix instead in chunks of
+// 32 rows x 256-output strips (1 KiB runs at the row stride, kept in cache while every token
+// row used them) was 1.1-1.9x slower at 1 to 32 token rows (float32 and bfloat16, 1024 x 1024
+// and 1024 x 7168 matrices, Zen 1).
+template <class T>
 TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t width,
                                 std::vector<float>& acc) {
-  acc.assign(NR * width, 0.f);
+  acc.assign(p.rows * width, 0.f);
   if (p.bias) {  // the sums start from the bias, in Pairs<T> order like every sum here
     for (int64_t c = 0; c < width; c += 16) {
       __m256 start[2];
       Pairs<T>::load2(p.bias + o + c, start);
-      for (int j = 0; j < NR; ++j) {
+      for (int64_t j = 0; j < p.rows; ++j) {
         _mm256_storeu_ps(acc.data() + j * width + c, start[0]);
         _mm256_storeu_ps(acc.data() + j * width + c + 8, start[1]);
       }
     }
   }
   int64_t k = 0;
-  for (; k + 4 <= inner; k += 4) stream_rows<T, 4, NR>(p, k, o, width, acc.data());
-  for (; k < inner; ++k) stream_rows<T, 1, NR>(p, k, o, width, acc.data());
-  for (int j = 0; j < NR; ++j)
+  for (; k + 4 <= inner; k += 4) stream_all_rows<T, 4>(p, k, o, width, acc.data());
+  for (; k < inner; ++k) stream_all_rows<T, 1>(p, k, o, width, acc.data());
+  for (int64_t j = 0; j < p.rows; ++j)
     for (int64_t c = 0; c < width; c += 16) {
       const __m256 v[2] = {_mm256_loadu_ps(acc.data() + j * width + c), _mm256_loadu_ps(acc.data() + j * width + c + 8)};
       Pairs<T>::store2(p.y + j * p.y_stride + o + c, v);
@@ -253,18 +206,10 @@ TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_
 
 template <class T>
 TUTEL_AVX2_FMA void avx2_inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
-  std::vector<float> acc;
+  thread_local std::vector<float> acc;  // reused: a fresh buffer of 32 rows x wide tiles is a fresh mmap each time
   const int64_t aligned_end = o_begin + (o_end - o_begin) / 16 * 16;
-  if (p.rows <= kStreamMaxRows && aligned_end > o_begin) {
-    if (p.rows == 1) stream_tile<T, 1>(p, inner, o_begin, aligned_end - o_begin, acc);
-    else stream_tile<T, 2>(p, inner, o_begin, aligned_end - o_begin, acc);
-    if (aligned_end < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, aligned_end, o_end);
-    return;
-  }
-  int64_t o = o_begin;
-  for (; o + 16 <= o_end; o += kTileOutputs) axpy_tile(p, inner, o, std::min(kTileOutputs, (o_end - o) / 16 * 16), acc);
-  o = o_begin + (o_end - o_begin) / 16 * 16;
-  if (o < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, o, o_end);  // fewer than 16 left
+  if (aligned_end > o_begin) stream_tile<T>(p, inner, o_begin, aligned_end - o_begin, acc);
+  if (aligned_end < o_end) portable_skinny_kernels<T>().inner_by_outputs(p, inner, aligned_end, o_end);  // < 16 left
 }
 
 }  // namespace

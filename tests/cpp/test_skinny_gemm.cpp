@@ -19,7 +19,7 @@ struct Case {
 
 const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
                        {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600},
-                       {1, 70, 600}, {2, 9, 300}};  // the last two: whole-row streams of [K, O]
+                       {1, 70, 600}, {2, 9, 300}};
 
 double unit_rounding(float) { return std::ldexp(1.0, -24); }
 double unit_rounding(double) { return std::ldexp(1.0, -53); }
@@ -138,9 +138,8 @@ void check_driver(const std::vector<int64_t>& rows, WeightLayout layout) {
 }
 
 TYPED_TEST(SkinnyGemmTest, DriverRunsEveryProductAndTile) {
-  // 150 outputs: three 64-output tiles (the last partial) or one partial 256-output strip; with at
-  // most 2 rows per product the [K, O] tiles are as wide as the thread count allows (a lone
-  // product split across threads, 16-output blocks plus a remainder).
+  // 150 outputs: three 64-output tiles (the last partial) of [O, K]; [K, O] tiles as wide as the
+  // thread count allows (a lone product split across threads: 16-output blocks plus a remainder).
   for (WeightLayout layout : {WeightLayout::kOutputsByInner, WeightLayout::kInnerByOutputs}) {
     check_driver<TypeParam>({1, 4, 2}, layout);
     check_driver<TypeParam>({1, 2, 1}, layout);

@@ -2,11 +2,12 @@
 path beside them (larger groups), forward and the input gradient, against float64 sums.
 
 Sizes straddle the kernels' blocks: inner 1..33 around the 16-element pairs, outputs around the
-4-output and 16/32-output register blocks, the 64-output tiles and 256-output strips, groups of 0, 1, 2,
-31, 32 and 33 rows (the last on the GEMM side of the threshold) in one call, calls whose groups
-all hold at most 2 rows (decoding: the [K, O] kernels then stream whole matrix rows in tiles as
-wide as the thread count allows, a single product split across threads), both weight layouts, with and without a bias, and weights that are views with a strided last dim (which the
-skinny kernels do not take).
+4-output and 16-output register blocks and the 64-output tiles, groups of 0, 1, 2, 5, 31, 32 and 33
+rows (the last on the GEMM side of the threshold; the others cover every remainder of the [K, O]
+kernels' 4-row groups) in one call, and calls of decoding size (one or a few groups of 1-2 rows:
+the [K, O] tiles are as wide as the thread count allows, a single product split across
+threads), both weight layouts, with and without a bias, and weights that are views with a
+strided last dim (which the skinny kernels do not take).
 """
 import pytest
 import torch
