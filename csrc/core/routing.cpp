@@ -174,7 +174,7 @@ TUTEL_INSTANTIATE_ROUTING(float16)
 
 template <class I>
 void group_choices_by_expert(const I* expert_ids, int64_t tokens, int64_t k, int64_t experts, int32_t* locations,
-                             int64_t* sorted_ids, int64_t* counts, int32_t* ends) {
+                             int64_t* slot_choices, int64_t* sorted_ids, int64_t* counts, int32_t* ends) {
   const int64_t total = tokens * k;
   auto kept = [experts](I e) { return e >= 0 && int64_t(e) < experts; };
   std::fill(counts, counts + experts, int64_t(0));
@@ -189,24 +189,27 @@ void group_choices_by_expert(const I* expert_ids, int64_t tokens, int64_t k, int
     ends[e] = int32_t(running);
   }
   std::fill(sorted_ids + running, sorted_ids + total, experts);
+  int64_t next_dropped = running;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < k; ++j) {
       const I e = expert_ids[t * k + j];
       if (!kept(e)) {
         locations[j * tokens + t] = int32_t(total);
+        slot_choices[next_dropped++] = t * k + j;
         continue;
       }
       const int64_t slot = next[e]++;
       locations[j * tokens + t] = int32_t(slot);
+      slot_choices[slot] = t * k + j;
       sorted_ids[slot] = int64_t(e);
     }
   }
 }
 
 template void group_choices_by_expert<int32_t>(const int32_t*, int64_t, int64_t, int64_t, int32_t*, int64_t*,
-                                               int64_t*, int32_t*);
+                                               int64_t*, int64_t*, int32_t*);
 template void group_choices_by_expert<int64_t>(const int64_t*, int64_t, int64_t, int64_t, int32_t*, int64_t*,
-                                               int64_t*, int32_t*);
+                                               int64_t*, int64_t*, int32_t*);
 
 }  // namespace core
 }  // namespace tutel

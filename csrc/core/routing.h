@@ -40,13 +40,14 @@ Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64
 // integer type I) sorted by expert, stably in the order t * k + j.  Choices whose id lies
 // outside [0, experts) are dropped: they sort after every kept one.  Writes
 //   locations[j * tokens + t]  the slot of choice (t, j), or tokens * k when dropped  ([k, T])
+//   slot_choices[slot]         the choice t * k + j each slot holds (dropped ones too)  ([T k])
 //   sorted_ids[slot]           the expert of each slot (experts for the dropped ones)  ([T k])
 //   counts[e]                  kept choices of expert e                                ([E])
 //   ends[e]                    counts[0] + .. + counts[e]: where expert e's rows end    ([E])
 // One counting pass and one placing pass: O(T k + E), no comparison sort.
 template <class I>
 void group_choices_by_expert(const I* expert_ids, int64_t tokens, int64_t k, int64_t experts, int32_t* locations,
-                             int64_t* sorted_ids, int64_t* counts, int32_t* ends);
+                             int64_t* slot_choices, int64_t* sorted_ids, int64_t* counts, int32_t* ends);
 
 }  // namespace core
 }  // namespace tutel

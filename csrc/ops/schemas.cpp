@@ -17,11 +17,12 @@ TORCH_LIBRARY(tutel, m) {
       "(Tensor locations, Tensor counts)");
   // Dropless grouping of expert_ids [T, k] (int32 / int64): the choices sorted by expert,
   // stably in token-major order; ids outside [0, num_experts) are dropped and sort last.
-  //   locations [k, T] int32 (T k for dropped), sorted_ids [T k] int64 (num_experts for
-  //   dropped), counts [E] int64, ends [E] int32 (running sum of counts).  CPU only.
+  //   locations [k, T] int32 (T k for dropped), slot_choices [T k] int64 (the choice t k + j
+  //   in each slot), sorted_ids [T k] int64 (num_experts for dropped), counts [E] int64,
+  //   ends [E] int32 (running sum of counts).  CPU only.
   m.def(
       "group_by_expert(Tensor expert_ids, int num_experts) -> "
-      "(Tensor locations, Tensor sorted_ids, Tensor counts, Tensor ends)");
+      "(Tensor locations, Tensor slot_choices, Tensor sorted_ids, Tensor counts, Tensor ends)");
   // out = cumsum(mask, dim=0) - 1 for a 2-D mask.
   m.def("cumsum_sub_one(Tensor mask) -> Tensor");
   // out[t] = sum_j w[j,t] * rows[idx, loc] over kept choices; rows is [E, C, M].

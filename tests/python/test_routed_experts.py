@@ -226,8 +226,9 @@ def test_bad_arguments_name_what_is_wrong():
 @pytest.mark.parametrize("gate_kind", ["swiglu", "gate_fn", "activation"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, gate_kind, dtype):
-    """Inference runs the grouped rows in pieces (experts cut across piece ends, dropped choices in
-    the last piece, biases picked per row); forced here to 7 rows per piece."""
+    """Inference runs the grouped rows in pieces, each gathered from the tokens and added back
+    into the result (experts cut across piece ends, dropped choices skipped, biases picked per
+    row); forced here to 7 rows per piece."""
     import tutel.experts.routed as routed
     monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
     monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
@@ -242,10 +243,21 @@ def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, ga
         kwargs.update(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
     else:
         kwargs.update(activation=torch.tanh)
-    assert routed._piece_rows(x.detach(), up.detach(), None, None, transposed) == 7
+    assert routed._piece_rows(up, transposed) == 7
     with torch.no_grad():
         y = routed_experts(x, ids, weights, up, down, **kwargs)
     leaves = [t.detach().double() for t in (x, weights, up, down, up_bias, down_bias)]
     ref = reference(leaves[0], ids, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], transposed, gated, norm)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
+
+
+def test_pieces_with_every_choice_dropped(monkeypatch):
+    """Pieces forced, but no choice kept (every id outside [0, E)): zeros, no piece runs."""
+    import tutel.experts.routed as routed
+    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    x, ids, weights, up, down, _, _ = make_case(23, 16, 8, 12, 5, 3, True, False, False, False, torch.float32, seed=5)
+    with torch.no_grad():
+        y = routed_experts(x, torch.full_like(ids, 5), weights, up, down, gate="swiglu")
+    assert y.shape == (23, 12) and not y.any()

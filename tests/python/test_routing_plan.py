@@ -28,6 +28,8 @@ def reference_plan(expert_ids: torch.Tensor, num_experts: int):
     total = tokens * k
     locations = [[total] * tokens for _ in range(k)]
     sorted_ids = [num_experts] * total
+    slot_choices = [None] * total
+    dropped = running  # the dropped choices fill the slots after the kept ones, in choice order
     for t in range(tokens):
         for j in range(k):
             e = ids[t][j]
@@ -36,7 +38,11 @@ def reference_plan(expert_ids: torch.Tensor, num_experts: int):
                 starts[e] += 1
                 locations[j][t] = slot
                 sorted_ids[slot] = e
-    return locations, sorted_ids, counts, ends
+            else:
+                slot = dropped
+                dropped += 1
+            slot_choices[slot] = t * k + j
+    return locations, slot_choices, sorted_ids, counts, ends
 
 
 IMPLEMENTATIONS = {"operator": plan_routing, "tensor_ops": _plan_routing_by_sort}
@@ -44,10 +50,11 @@ IMPLEMENTATIONS = {"operator": plan_routing, "tensor_ops": _plan_routing_by_sort
 
 def check_plan(implementation, expert_ids, num_experts):
     plan = IMPLEMENTATIONS[implementation](expert_ids, num_experts)
-    locations, sorted_ids, counts, ends = reference_plan(expert_ids, num_experts)
+    locations, slot_choices, sorted_ids, counts, ends = reference_plan(expert_ids, num_experts)
     tokens, k = expert_ids.shape
     assert plan.locations.dtype == torch.int32 and plan.locations.shape == (k, tokens)
     assert plan.locations.tolist() == locations
+    assert plan.slot_choices.dtype == torch.int64 and plan.slot_choices.tolist() == slot_choices
     assert plan.sorted_ids.dtype == torch.int64 and plan.sorted_ids.tolist() == sorted_ids
     assert plan.counts.dtype == torch.int64 and plan.counts.tolist() == counts
     assert plan.offsets.dtype == torch.int32 and plan.offsets.tolist() == ends

@@ -51,9 +51,11 @@ GATES = (SWIGLU,)
 
 class RoutingPlan(NamedTuple):
     """The chosen (token, expert) pairs sorted by expert: slot i of the grouped rows holds
-    pair ``order[i]``; ``locations`` [k, T] gives each pair's slot (N = dropped)."""
+    choice ``slot_choices[i]`` (= t * k + j); ``locations`` [k, T] gives each choice's slot (N =
+    dropped)."""
     indices: torch.Tensor  # [k, T] zeros: the grouped rows form one "expert" for encode / decode
     locations: torch.Tensor  # [k, T] int32 slot of each choice, N for ids outside [0, E)
+    slot_choices: torch.Tensor  # [N] int64 choice held by each slot (the dropped ones last, in order)
     sorted_ids: torch.Tensor  # [N] expert of each slot (E for the dropped ones, which sort last)
     counts: torch.Tensor  # [E] int64 rows per expert
     offsets: torch.Tensor  # [E] int32 end of each expert's rows
@@ -66,8 +68,8 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     only (a comparison sort, no host synchronisation).  At small T the dozen small operations of
     the latter cost more than the experts' arithmetic around them."""
     if expert_ids.device.type == "cpu":
-        locations, sorted_ids, counts, ends = torch.ops.tutel.group_by_expert(expert_ids, num_experts)
-        return RoutingPlan(torch.zeros_like(locations), locations, sorted_ids, counts, ends)
+        locations, slot_choices, sorted_ids, counts, ends = torch.ops.tutel.group_by_expert(expert_ids, num_experts)
+        return RoutingPlan(torch.zeros_like(locations), locations, slot_choices, sorted_ids, counts, ends)
     return _plan_routing_by_sort(expert_ids, num_experts)
 
 
@@ -84,7 +86,7 @@ def _plan_routing_by_sort(expert_ids: torch.Tensor, num_experts: int) -> Routing
     slot = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=ids.device))
     slot = torch.where(valid, slot, torch.full_like(slot, total))
     locations = slot.view(tokens, k).t().to(torch.int32).contiguous()
-    return RoutingPlan(torch.zeros_like(locations), locations, sorted_ids, counts,
+    return RoutingPlan(torch.zeros_like(locations), locations, order, sorted_ids, counts,
                        counts.cumsum(0).to(torch.int32))
 
 
@@ -93,11 +95,15 @@ def _grouped_rows_matmul(rows: torch.Tensor, weight: torch.Tensor, transposed: b
     return grouped_rows_mm(rows, weight, plan.offsets, transposed)
 
 
-def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan) -> torch.Tensor:
+def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan, lean: bool) -> torch.Tensor:
+    """out + each row's expert bias.  `lean` (nothing differentiated): in place, and the dropped rows
+    (sorted last, never read back) may take the last expert's bias."""
     if bias is None:
         return out
     num_experts = bias.shape[0]
     rows = bias.index_select(0, plan.sorted_ids.clamp(max=num_experts - 1))
+    if lean:
+        return out.add_(rows.to(out.dtype))
     # The dropped rows (sorted last) must send no gradient into the last expert's bias.
     rows = torch.where((plan.sorted_ids < num_experts).unsqueeze(1), rows, torch.zeros_like(rows))
     return out + rows.to(out.dtype)
@@ -114,10 +120,12 @@ class _ExpertsCall(NamedTuple):
     gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
     post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    lean: bool  # nothing differentiated: biases added in place
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
-        hidden = _add_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan)
+        hidden = _add_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan,
+                           self.lean)
         if self.gate == SWIGLU:
             hidden = swiglu(hidden)
         elif self.gate_fn is not None:
@@ -126,32 +134,54 @@ class _ExpertsCall(NamedTuple):
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = _add_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan)
+        out = _add_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan,
+                        self.lean)
         return out if self.post_fn is None else self.post_fn(out)
 
 
 # Without autograd on CPU the grouped rows go through the experts in pieces whose up projection
-# takes about this many bytes: the intermediates then stay near the caches and below glibc's
-# mmap threshold, so they are reused instead of being fresh pages the OS zeroes on every call
-# (transformers' per-expert loop gets the same for free).  A piece cuts at most one expert's
-# rows in two, so at least _MIN_PIECE_ROWS keep the GEMMs large.
+# takes about this many bytes, each gathered from the tokens and added back into the result on
+# its own: no buffer spans all T*k rows, and the intermediates stay near the caches and below
+# glibc's mmap threshold, so they are reused instead of being fresh pages the OS zeroes on every
+# call (transformers' per-expert loop gets the same for free).  A piece cuts at most one
+# expert's rows in two, so at least _MIN_PIECE_ROWS keep the GEMMs large.
 _PIECE_BYTES = 8 << 20
 _MIN_PIECE_ROWS = 512
 
 
-def _piece_rows(rows: torch.Tensor, up_weight: torch.Tensor, up_bias, down_bias, transposed: bool) -> int:
-    """Rows per piece (the whole buffer where pieces do not apply: tracing, autograd, devices)."""
-    total = rows.shape[0]
-    if rows.device.type != "cpu" or not eager_without_grad(rows, up_weight, up_bias, down_bias):
-        return total
+def _piece_rows(up_weight: torch.Tensor, transposed: bool) -> int:
+    """Grouped rows per piece."""
     width = up_weight.shape[2] if transposed else up_weight.shape[1]
     return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, width * up_weight.element_size()))
+
+
+def _run_in_pieces(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan, kept: int, piece: int,
+                   experts: "_ExpertsCall") -> torch.Tensor:
+    """The routed experts' weighted sum for every token, `piece` grouped rows at a time: each piece's
+    rows are gathered from `x`, and its outputs, times their routing weights, added into the
+    float32 (float64) result.  Only the `kept` rows (ids inside [0, E), sorted first) run."""
+    k = plan.locations.shape[0]
+    choices = plan.slot_choices[:kept]
+    tokens = torch.div(choices, k, rounding_mode="floor")
+    slot_weights = None if weights is None else weights.reshape(-1).index_select(0, choices)
+    y = None
+    for start in range(0, kept, piece):
+        end = min(kept, start + piece)
+        part = experts(x.index_select(0, tokens[start:end]), _plan_piece(plan, start, end))
+        if y is None:
+            y = torch.zeros((x.shape[0], part.shape[1]), dtype=accumulation_dtype(part.dtype), device=x.device)
+        part = part.to(y.dtype)
+        if slot_weights is not None:
+            part.mul_(slot_weights[start:end].to(y.dtype).unsqueeze(1))
+        y.index_add_(0, tokens[start:end], part)
+    return y
 
 
 def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
     """The routing plan of grouped rows [start, end): group ends shifted and clipped to the piece."""
     offsets = (plan.offsets - start).clamp(0, end - start)
-    return RoutingPlan(plan.indices, plan.locations, plan.sorted_ids[start:end], plan.counts, offsets)
+    return RoutingPlan(plan.indices, plan.locations, plan.slot_choices[start:end], plan.sorted_ids[start:end],
+                       plan.counts, offsets)
 
 
 def _lean_call(x, weights, *parameters) -> bool:
@@ -263,23 +293,18 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     lean = _lean_call(x, weights, up_weight, down_weight, up_bias, down_bias)
+    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn,
+                           lean)
+    if lean and total > _piece_rows(up_weight, transposed):
+        kept = int(plan.offsets[-1])  # the group ends, on the CPU: no synchronisation
+        if kept > 0:
+            return _run_in_pieces(x, weights, plan, kept, _piece_rows(up_weight, transposed), experts).to(out_dtype)
     if lean:  # the operators straight away: tutel.ops' checks and autograd wrappers cost more than T=1's rows
         rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, total)[0]
         rows = rows.view(total, x.shape[1])
     else:
         rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
-    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn)
-    piece = _piece_rows(rows, up_weight, up_bias, down_bias, transposed)
-    if piece >= total:
-        out = experts(rows, plan)
-    else:
-        out = None
-        for start in range(0, total, piece):
-            end = min(total, start + piece)
-            part = experts(rows[start:end], _plan_piece(plan, start, end))
-            if out is None:
-                out = part.new_empty((total, part.shape[1]))
-            out[start:end] = part
+    out = experts(rows, plan)
     gates = None if weights is None else weights.t()
     out = out.reshape(1, total, out.shape[-1])
     if lean:

@@ -26,7 +26,8 @@ def _assign_locations(indices, num_experts, priority):
 @register_fake("tutel::group_by_expert")
 def _group_by_expert(expert_ids, num_experts):
     tokens, k = expert_ids.shape
-    return (expert_ids.new_empty((k, tokens), dtype=torch.int32), expert_ids.new_empty((tokens * k,), dtype=torch.int64),
+    choices = expert_ids.new_empty((tokens * k,), dtype=torch.int64)
+    return (expert_ids.new_empty((k, tokens), dtype=torch.int32), choices, torch.empty_like(choices),
             expert_ids.new_empty((num_experts,), dtype=torch.int64), expert_ids.new_empty((num_experts,), dtype=torch.int32))
 
 

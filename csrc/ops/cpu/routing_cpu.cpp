@@ -62,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> assign_locations_cpu(const at::Tensor& indice
                     "assign_locations");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids_in,
                                                                                int64_t experts) {
   const char* op = "group_by_expert";
   TORCH_CHECK_VALUE(expert_ids_in.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ",
@@ -78,17 +78,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(c
   const at::Tensor ids = narrow ? expert_ids_in.contiguous() : expert_ids_in.to(at::kLong).contiguous();
   const auto options = ids.options();
   at::Tensor locations = at::empty({k, tokens}, options.dtype(at::kInt));
+  at::Tensor slot_choices = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor sorted_ids = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor counts = at::empty({experts}, options.dtype(at::kLong));
   at::Tensor ends = at::empty({experts}, options.dtype(at::kInt));
   if (narrow) {
     core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
-                                  sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
+                                  slot_choices.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
+                                  counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   } else {
     core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
-                                  sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
+                                  slot_choices.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
+                                  counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   }
-  return {locations, sorted_ids, counts, ends};
+  return {locations, slot_choices, sorted_ids, counts, ends};
 }
 
 }  // namespace
