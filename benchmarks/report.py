@@ -371,11 +371,15 @@ What limits tutel here, as measured (docs/design.md, "Routed experts" and "Skinn
 few rows per expert (decoding, T <= 128 with top-8 of 64) the expert products are tutel's skinny
 products, which stream each active expert's weights once (bf16 widened in registers) where
 PyTorch's GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below
-the machine's bandwidth (table "Grouped expert products" below).  At large T both sides run
-PyTorch's GEMM per expert, so the gap is what surrounds the GEMMs (one fused gate+up product,
-dispatch and combine in single passes; in inference the rows go through the experts in ~8 MiB
-pieces, so the intermediates stay cached and reused as the eager loop's per-expert ones do); on a CPU without native bf16 dot products tutel runs
-16-bit GEMMs in float32 once experts average 32 rows, which transformers' backends do not.  The
+the machine's bandwidth (table "Grouped expert products" below); what remains at T = 1 is the
+fixed cost of a dozen operator calls around them.  At T >= 2048 both sides run PyTorch's GEMM per
+expert, which takes nearly 90% of either side's time (profiled, fp32 gpt-oss at T = 2048), so
+tutel matches the eager loop rather than beating it: it saves what surrounds the GEMMs (one fused
+gate+up product, routing in one counting pass; in inference the rows go through the experts in
+~8 MiB pieces gathered from the tokens and added back, so no buffer spans all T*k rows and the
+intermediates stay cached, as the eager loop's per-expert ones do).  On a CPU without native bf16
+dot products tutel runs 16-bit GEMMs in float32 once experts average 32 rows, which transformers'
+backends do not.  The
 bf16 compute limit uses the bf16 GEMM rate, as defined; where that rate is far below float32's
 (no native bf16), a bf16 *tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
 
