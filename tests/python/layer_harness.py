@@ -28,8 +28,11 @@ def ffn_expert_reference(experts, activation=torch.relu):
 
 def run_and_compare(layer, x, *, forward_kwargs=None, top_k, capacity_factor, alignment=1, activation=torch.relu,
                     tol=None, use_layer_logits=False, l_aux_weight=0.3, gate_reference=None,
-                    expert_reference=None, normalize_gate=True, is_postscore=True, batch_prioritized=False):
+                    expert_reference=None, normalize_gate=True, is_postscore=True, batch_prioritized=False,
+                    no_grad=False):
     """Forward + backward through `layer` and through the reference; asserts they agree.
+    With `no_grad` the layer runs under torch.no_grad() (inference) and only the output and
+    l_aux are compared.
 
     normalize_gate / is_postscore / batch_prioritized are the options the test built the layer
     with (moe_layer's defaults unless given): the reference takes them from the test, never from
@@ -42,16 +45,18 @@ def run_and_compare(layer, x, *, forward_kwargs=None, top_k, capacity_factor, al
     forward_kwargs = forward_kwargs or {}
     tol = tol or dict(rtol=1e-10, atol=1e-10)
     layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
+    x = x.detach().clone().requires_grad_(not no_grad)
     gate = layer.gates[forward_kwargs.get("gate_index", 0)]
     captured = {}
     hook = gate.register_forward_hook(lambda module, inputs, output: captured.__setitem__("logits", output))
     try:
-        y = layer(x, **forward_kwargs)
+        with torch.set_grad_enabled(not no_grad):
+            y = layer(x, **forward_kwargs)
     finally:
         hook.remove()
     upstream = torch.randn(y.shape, dtype=torch.float64)
-    ((y.double() * upstream).sum() + l_aux_weight * y.l_aux.double()).backward()
+    if not no_grad:
+        ((y.double() * upstream).sum() + l_aux_weight * y.l_aux.double()).backward()
 
     model_dim = layer.model_dim
     x64 = x.detach().double().reshape(-1, model_dim).requires_grad_()
@@ -67,6 +72,9 @@ def run_and_compare(layer, x, *, forward_kwargs=None, top_k, capacity_factor, al
 
     torch.testing.assert_close(y.double(), out64.detach(), **tol)
     torch.testing.assert_close(y.l_aux.double(), l_aux64.detach(), **tol)
+    if no_grad:
+        assert not y.requires_grad
+        return capacity, kept
     torch.testing.assert_close(x.grad.double().reshape(-1, model_dim), x64.grad, **tol)
     for param, ref in gate_pairs + expert_pairs:
         if param is None:

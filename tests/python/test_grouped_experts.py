@@ -155,3 +155,113 @@ def test_grouped_locations_retarget_slots_and_drop():
     # expert e starts at row 2 e; location >= capacity 2 and a negative index are dropped (row 6 = total)
     expected = torch.tensor([[0, 4, 1, 2, 6], [3, 6, 5, 6, 2]], dtype=torch.int32)
     assert torch.equal(grouped, expected)
+
+
+# ---------------------------------------------------------------- inference (nothing differentiated)
+
+def record_lean_calls(layer):
+    """Wraps experts.grouped_products (the no-grad grouped path); returns the dtypes it was built for."""
+    calls = []
+    original = layer.experts.grouped_products
+
+    def recording(ctx, dtype):
+        calls.append(dtype)
+        return original(ctx, dtype)
+
+    layer.experts.grouped_products = recording
+    return calls
+
+
+LEAN_EXPERTS = {
+    "ffn": dict(expert_type="ffn"),
+    "ffn_gelu_no_bias": dict(expert_type="ffn", expert_extra={"activation_fn": F.gelu, "has_fc1_bias": False,
+                                                              "has_fc2_bias": False}),
+    "ffn_one_bias": dict(expert_type="ffn", expert_extra={"has_fc1_bias": False}),
+    "llama_ffn": dict(expert_type="llama_ffn"),
+}
+
+
+def _lean_reference_options(name, layer):
+    if name == "llama_ffn":
+        return dict(expert_reference=llama_reference)
+    return dict(activation=F.gelu if "gelu" in name else torch.relu)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.6, -0.6])
+@pytest.mark.parametrize("experts,k", [(1, 1), (7, 3), (5, 4), (64, 8)])
+@pytest.mark.parametrize("name", sorted(LEAN_EXPERTS))
+def test_grouped_path_without_grad_matches_reference(name, experts, k, capacity_factor, block, tokens):
+    """Inference on CPU takes the grouped path without autograd (tutel.experts._grouped): the kept
+    choices grouped by tutel's counting pass, padding blocks skipped; dropped tokens as the
+    reference drops them."""
+    torch.manual_seed(experts * 100 + k * 10 + tokens)
+    layer = make_layer(experts, k, capacity_factor, hidden=11, **LEAN_EXPERTS[name])
+    lean, grouped = record_lean_calls(layer), record_grouped_calls(layer)
+    x = torch.randn(tokens, 10, dtype=torch.float64)
+    capacity, kept = run_and_compare(layer, x, forward_kwargs=dict(megablocks_size=block), top_k=k,
+                                     capacity_factor=capacity_factor, alignment=block, no_grad=True,
+                                     **_lean_reference_options(name, layer))
+    assert lean == [torch.float64] and not grouped, "inference must take the path without autograd"
+    if capacity_factor == 0:
+        assert bool(kept.all())
+    elif tokens == 37 and experts > 1:
+        assert not bool(kept.all()), "the case must drop tokens"
+
+
+@pytest.mark.parametrize("name", sorted(LEAN_EXPERTS))
+def test_grouped_path_without_grad_in_pieces(monkeypatch, name):
+    """Pieces of 7 grouped rows (each gathered from the tokens and added back) equal the reference,
+    with and without dropped tokens."""
+    from tutel.experts import routed
+    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    for capacity_factor in (0.0, 0.7):
+        layer = make_layer(6, 3, capacity_factor, hidden=9, **LEAN_EXPERTS[name])
+        lean = record_lean_calls(layer)
+        run_and_compare(layer, torch.randn(29, 10, dtype=torch.float64), forward_kwargs=dict(megablocks_size=1),
+                        top_k=3, capacity_factor=capacity_factor, no_grad=True, **_lean_reference_options(name, layer))
+        assert lean == [torch.float64]
+
+
+@pytest.mark.parametrize("name", ["ffn", "llama_ffn"])
+def test_grouped_path_without_grad_low_precision(name):
+    """bfloat16 (and float32) inference against the float64 reference routed with the layer's own
+    logits; with 40 choices per expert on a CPU without bf16 dot products the products run in
+    float32 (tutel.ops.precision), with 2 in bfloat16."""
+    from tutel.ops.precision import gemm_dtype
+    for dtype, tokens in ((torch.bfloat16, 80), (torch.bfloat16, 2), (torch.float32, 33)):
+        torch.manual_seed(tokens)
+        layer = make_layer(4, 2, 0.0, dtype=dtype, **LEAN_EXPERTS[name])
+        lean = record_lean_calls(layer)
+        x = torch.randn(tokens, 10).to(dtype)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        run_and_compare(layer, x, forward_kwargs=dict(megablocks_size=1), top_k=2, capacity_factor=0.0,
+                        no_grad=True, use_layer_logits=True, tol=tol, **_lean_reference_options(name, layer))
+        assert lean == [gemm_dtype(dtype, x.device, tokens * 2 / 4)]
+
+
+def test_grouped_path_with_grad_or_prescore_keeps_autograd():
+    """Training calls (and gates applied at dispatch) run the differentiable grouped path."""
+    layer = make_layer(4, 2, 0.0, expert_type="llama_ffn")
+    lean, grouped = record_lean_calls(layer), record_grouped_calls(layer)
+    layer(torch.randn(9, 10, dtype=torch.float64), megablocks_size=1).sum().backward()
+    assert not lean and len(grouped) == 1
+    layer = make_layer(4, 2, 0.0, is_postscore=False)
+    lean, grouped = record_lean_calls(layer), record_grouped_calls(layer)
+    with torch.no_grad():
+        layer(torch.randn(9, 10, dtype=torch.float64), megablocks_size=1)
+    assert not lean and len(grouped) == 1
+
+
+def test_choice_table_reuses_only_the_unbound_table():
+    from tutel.experts._grouped import _choice_table
+    table = torch.arange(12, dtype=torch.int32).view(3, 4).clone()  # not itself a view, as the routing's tables
+    assert _choice_table(list(table.unbind(0))) is table
+    for choices in (list(table.unbind(0))[::-1], list(table.unbind(0))[:2], [t.clone() for t in table.unbind(0)],
+                    list(table.t().contiguous().t().unbind(0))):
+        expected = torch.stack(choices)
+        got = _choice_table(choices)
+        assert torch.equal(got, expected)
+    assert _choice_table(table) is table

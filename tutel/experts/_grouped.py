@@ -7,13 +7,16 @@ there is no [E, C, M] buffer padded to the busiest expert at all.  Built-in expe
 GEMMs on that buffer with ``tutel.ops.expert_linear(..., group_rows=rows)``.
 """
 import math
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..impls.capacity import align_up
+from ..ops.precision import gemm_dtype
+from ..ops.tracing import eager_without_grad
+from .routed import combine_without_grad, piece_rows, plan_routing
 
 
 def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
@@ -39,8 +42,7 @@ def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tenso
 
     Returns (indices [k, T] of zeros, locations [k, T], N)."""
     num_experts, indices_s, locations_s, _, capacity = crit[:5]
-    indices = torch.stack(list(indices_s)) if isinstance(indices_s, (list, tuple)) else indices_s
-    locations = torch.stack(list(locations_s)) if isinstance(locations_s, (list, tuple)) else locations_s
+    indices, locations = _choice_table(indices_s), _choice_table(locations_s)
     total = sum(rows)
     starts = torch.tensor([0] + rows[:-1], dtype=torch.int64, device=indices.device).cumsum(0)
     grouped = (starts[indices.long().clamp(min=0)] + locations).to(torch.int32)
@@ -50,10 +52,58 @@ def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tenso
     return torch.zeros_like(indices), grouped, total
 
 
-def run_grouped_experts(layer, x: torch.Tensor, crit, reserve_shape, block: int, is_postscore: bool) -> torch.Tensor:
+def _choice_table(choices) -> torch.Tensor:
+    """[k, T] from Tutel's list of k [T] tensors (or a [k, T] tensor).  The lists of
+    extract_critical are the rows of one [k, T] tensor (unbind): that tensor is used as it is."""
+    if not isinstance(choices, (list, tuple)):
+        return choices
+    base = choices[0]._base if len(choices) else None
+    if base is not None and base.dim() == 2 and base.shape[0] == len(choices) and all(
+            c._base is base and c.storage_offset() == base.storage_offset() + j * base.stride(0) and
+            c.shape[0] == base.shape[1] and c.stride(0) == base.stride(1) for j, c in enumerate(choices)):
+        return base
+    return torch.stack(list(choices))
+
+
+def _run_without_grad(layer, x: torch.Tensor, crit, dropless: bool) -> Optional[torch.Tensor]:
+    """The grouped path on CPU when nothing is differentiated or traced, for experts with
+    ``grouped_products(ctx, dtype)``: the kept choices grouped by tutel's counting pass and run in
+    pieces by tutel.experts.routed.combine_without_grad (no [N, M] buffer of all choices, no
+    autograd wrappers).  Only the blocks' padding rows, which hold zeros and are never read back,
+    are not computed.  None where it does not apply."""
+    make = getattr(layer.experts, "grouped_products", None)
+    if make is None or x.device.type != "cpu" or not eager_without_grad(x, *layer.experts.parameters()):
+        return None
+    num_experts, indices_s, locations_s, gates_s, capacity = crit[:5]
+    indices, locations, gates = _choice_table(indices_s), _choice_table(locations_s), _choice_table(gates_s)
+    dtype = gemm_dtype(x.dtype, x.device, indices.numel() / max(num_experts, 1))
+    products = make(layer, dtype)
+    if products is None:
+        return None
+    run, row_bytes = products
+    expert_ids = indices
+    # Nothing is dropped when the call is dropless (the capacity is the largest load) or the
+    # capacity reaches T (an expert receives at most T choices).
+    if not dropless and capacity < indices.shape[1]:
+        # Dropped choices (past the capacity, or Tutel's negative "not dispatched" index) get id E.
+        kept = (locations < capacity) & (indices >= 0)
+        expert_ids = torch.where(kept, indices, torch.full_like(indices, num_experts))
+    plan = plan_routing(expert_ids.t(), num_experts)
+    y = combine_without_grad(x.to(dtype), gates.t(), plan, run, piece_rows(row_bytes))
+    layer.protected_shape = y.shape
+    return y.to(x.dtype)
+
+
+def run_grouped_experts(layer, x: torch.Tensor, crit, reserve_shape, block: int, is_postscore: bool,
+                        dropless: bool = False) -> torch.Tensor:
     """Dispatch, experts and combine of one MoE call on the grouped layout; returns [T, O].
 
-    Sets ``layer.protected_shape`` to the experts' output shape, as the padded path does."""
+    `dropless`: crit comes from a dropless call (capacity_factor = 0), so no choice is past the
+    capacity.  Sets ``layer.protected_shape`` to the experts' output shape, as the padded path does."""
+    if is_postscore and len(reserve_shape) == 1:
+        y = _run_without_grad(layer, x, crit, dropless)
+        if y is not None:
+            return y
     rows = occupied_rows(layer.local_dispatch_count, crit[4], block)
     indices, locations, total = grouped_locations(crit, rows)
     gates = crit[3]

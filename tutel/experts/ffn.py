@@ -1,13 +1,15 @@
 """The fused feed-forward experts (Tutel's ``{'type': 'ffn'}``): y = act(x W1^T + b1) W2 + b2,
 computed for all local experts with batched matrix products."""
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import expert_linear
+from ..ops.grouped_mm import grouped_rows_mm
 from ._grouped import flatten_features, run_padded
+from .routed import add_expert_bias
 
 
 class FusedExpertsNetwork(torch.nn.Module):
@@ -97,9 +99,12 @@ class FusedExpertsNetwork(torch.nn.Module):
         """The two linear layers on [L, C, M] (or grouped [N, M] rows with `group_rows`)."""
         fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
         h = expert_linear(h, fc1_w, fc1_b, weight_transposed=True, group_rows=group_rows)
-        # The default ReLU runs in place: expert_linear keeps its inputs, not its output.
-        h = F.relu_(h) if self.activation_fn is None and self.activation_fn_with_self is None else self.activate(h)
-        return expert_linear(h, fc2_w, fc2_b, group_rows=group_rows)
+        return expert_linear(self._activate_output(h), fc2_w, fc2_b, group_rows=group_rows)
+
+    def _activate_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation of the first product's output h, which nothing else keeps: the default
+        ReLU runs in place (expert_linear keeps its inputs, not its output)."""
+        return F.relu_(h) if self.activation_fn is None and self.activation_fn_with_self is None else self.activate(h)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if self.skip_expert:
@@ -113,6 +118,21 @@ class FusedExpertsNetwork(torch.nn.Module):
             return x
         y = self._mlp(flatten_features(x, self.model_dim, self.output_dim, batch_dims=1), ctx, group_rows)
         return y.view(x.shape) if x.dim() > 2 else y
+
+    def grouped_products(self, ctx, dtype: torch.dtype) -> Optional[Tuple[Callable, int]]:
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
+        ``run(rows, plan)`` computes every grouped row's expert with the parameters in `dtype`;
+        `row_bytes` is one row's hidden activations.  None with SKIP_EXPERT (the identity)."""
+        if self.skip_expert:
+            return None
+        fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else p.to(dtype) for p in self.weights_for(ctx))
+
+        def run(rows: torch.Tensor, plan) -> torch.Tensor:
+            h = add_expert_bias(grouped_rows_mm(rows, fc1_w, plan.offsets), fc1_b, plan, lean=True)
+            out = grouped_rows_mm(self._activate_output(h), fc2_w, plan.offsets, transposed=True)
+            return add_expert_bias(out, fc2_b, plan, lean=True)
+
+        return run, fc1_w.shape[1] * fc1_w.element_size()
 
 
 ExpertModule = FusedExpertsNetwork

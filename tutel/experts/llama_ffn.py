@@ -1,10 +1,11 @@
 """SwiGLU experts as in LLaMA (Tutel's ``{'type': 'llama_ffn'}``): y = (act(x W1) * (x W2)) W3."""
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import expert_linear
+from ..ops.grouped_mm import grouped_rows_mm
 from ._grouped import flatten_features, run_padded
 
 
@@ -69,6 +70,19 @@ class LlamaFFNNetwork(torch.nn.Module):
         """x: [N, *features] rows grouped by local expert (group_rows[e] rows each) -> same shape."""
         y = self._swiglu(flatten_features(x, self.model_dim, self.model_dim, batch_dims=1), ctx, group_rows)
         return y.view(x.shape) if x.dim() > 2 else y
+
+    def grouped_products(self, ctx, dtype: torch.dtype) -> Optional[Tuple[Callable, int]]:
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
+        ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;
+        `row_bytes` is one row's gate and up intermediates."""
+        w1, w2, w3 = (w.to(dtype) for w in self.full_weights(ctx))
+
+        def run(rows: torch.Tensor, plan) -> torch.Tensor:
+            gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True)
+            hidden = self.activation_fn(gate).mul_(grouped_rows_mm(rows, w2, plan.offsets, transposed=True))
+            return grouped_rows_mm(hidden, w3, plan.offsets, transposed=True)
+
+        return run, 2 * self.hidden_size_per_expert * w1.element_size()
 
 
 ExpertModule = LlamaFFNNetwork

@@ -95,9 +95,9 @@ def _grouped_rows_matmul(rows: torch.Tensor, weight: torch.Tensor, transposed: b
     return grouped_rows_mm(rows, weight, plan.offsets, transposed)
 
 
-def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan, lean: bool) -> torch.Tensor:
-    """out + each row's expert bias.  `lean` (nothing differentiated): in place, and the dropped rows
-    (sorted last, never read back) may take the last expert's bias."""
+def add_expert_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan, lean: bool) -> torch.Tensor:
+    """out + each grouped row's expert bias (bias [E, O]).  `lean` (nothing differentiated): in place,
+    and the dropped rows (sorted last, never read back) may take the last expert's bias."""
     if bias is None:
         return out
     num_experts = bias.shape[0]
@@ -124,7 +124,7 @@ class _ExpertsCall(NamedTuple):
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
-        hidden = _add_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan,
+        hidden = add_expert_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan,
                            self.lean)
         if self.gate == SWIGLU:
             hidden = swiglu(hidden)
@@ -134,7 +134,7 @@ class _ExpertsCall(NamedTuple):
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = _add_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan,
+        out = add_expert_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan,
                         self.lean)
         return out if self.post_fn is None else self.post_fn(out)
 
@@ -149,14 +149,42 @@ _PIECE_BYTES = 8 << 20
 _MIN_PIECE_ROWS = 512
 
 
+def piece_rows(row_bytes: int) -> int:
+    """Grouped rows per piece when one row's up projection takes `row_bytes`."""
+    return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, row_bytes))
+
+
 def _piece_rows(up_weight: torch.Tensor, transposed: bool) -> int:
-    """Grouped rows per piece."""
+    """Grouped rows per piece of routed_experts."""
     width = up_weight.shape[2] if transposed else up_weight.shape[1]
-    return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, width * up_weight.element_size()))
+    return piece_rows(width * up_weight.element_size())
+
+
+def combine_without_grad(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan,
+                         products: Callable[[torch.Tensor, RoutingPlan], torch.Tensor], rows_per_piece: int
+                         ) -> torch.Tensor:
+    """The routing-weighted sum of every token's expert outputs, on CPU with nothing to differentiate.
+
+    ``products(rows, plan)`` maps [n, H] rows grouped by expert as `plan` says to their [n, O]
+    expert outputs; only the kept rows (ids inside [0, E), sorted first) run.  Up to
+    `rows_per_piece` of them are copied into grouped rows and combined by tutel's operators
+    directly (their arguments come from a plan of tutel's, so the checks and autograd wrappers of
+    tutel.ops, which cost more than a decoding step's rows, are skipped); more run in pieces
+    (_run_in_pieces).  Returns [T, O]: in the products' dtype, float32 for 16-bit ones in pieces."""
+    kept = int(plan.offsets[-1])  # the group ends, on the CPU: no synchronisation
+    if kept > rows_per_piece:
+        return _run_in_pieces(x, weights, plan, kept, rows_per_piece, products)
+    # Capacity `kept`: the dropped choices (slot N = T*k) stay out of the grouped rows.
+    rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, kept)[0]
+    out = products(rows.view(kept, x.shape[1]), plan if kept == plan.slot_choices.shape[0] else
+                   _plan_piece(plan, 0, kept))
+    gates = None if weights is None else weights.t().to(accumulation_dtype(out.dtype)).contiguous()
+    return torch.ops.tutel.gather_slots(out.view(1, kept, out.shape[-1]), plan.indices, plan.locations, gates,
+                                        None)[0]
 
 
 def _run_in_pieces(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan, kept: int, piece: int,
-                   experts: "_ExpertsCall") -> torch.Tensor:
+                   experts: Callable[[torch.Tensor, RoutingPlan], torch.Tensor]) -> torch.Tensor:
     """The routed experts' weighted sum for every token, `piece` grouped rows at a time: each piece's
     rows are gathered from `x`, and its outputs, times their routing weights, added into the
     float32 (float64) result.  Only the `kept` rows (ids inside [0, E), sorted first) run."""
@@ -295,22 +323,10 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     lean = _lean_call(x, weights, up_weight, down_weight, up_bias, down_bias)
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn,
                            lean)
-    if lean and total > _piece_rows(up_weight, transposed):
-        kept = int(plan.offsets[-1])  # the group ends, on the CPU: no synchronisation
-        if kept > 0:
-            return _run_in_pieces(x, weights, plan, kept, _piece_rows(up_weight, transposed), experts).to(out_dtype)
-    if lean:  # the operators straight away: tutel.ops' checks and autograd wrappers cost more than T=1's rows
-        rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, total)[0]
-        rows = rows.view(total, x.shape[1])
-    else:
-        rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
-    out = experts(rows, plan)
-    gates = None if weights is None else weights.t()
-    out = out.reshape(1, total, out.shape[-1])
     if lean:
-        if gates is not None:
-            gates = gates.to(accumulation_dtype(out.dtype)).contiguous()
-        y = torch.ops.tutel.gather_slots(out, plan.indices, plan.locations, gates, None)[0]
-    else:
-        y = ops.decode(out, plan.indices, plan.locations, gates=gates)
+        return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
+    rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
+    out = experts(rows, plan)
+    out = out.reshape(1, total, out.shape[-1])
+    y = ops.decode(out, plan.indices, plan.locations, gates=None if weights is None else weights.t())
     return y.to(out_dtype)

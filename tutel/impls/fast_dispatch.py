@@ -91,7 +91,10 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
     alignment = require_int(alignment, "alignment", where, minimum=1)
 
     routing = ops.route_topk(scores, top_k, batch_prioritized=batch_prioritized_routing)
-    l_aux = loss_fn(scores, routing.indices.t().long()) if loss_fn is not None else None
+    if loss_fn is losses.gshard_loss:  # the operator counted the first choices already
+        l_aux = losses.gshard_loss_from_counts(scores, routing.counts[0])
+    else:
+        l_aux = loss_fn(scores, routing.indices.t().long()) if loss_fn is not None else None
     if gate_values is not None:
         gates = gate_values(routing.indices)
     else:

@@ -18,12 +18,18 @@ def gshard_loss(scores_w_noise: torch.Tensor, top_ids: torch.Tensor) -> torch.Te
     where p are the (noisy) routing probabilities [T, E] and top_ids the [T, k]
     choices.  It equals 1 under perfect balance.  An empty batch gives 0.
     """
+    num_experts = scores_w_noise.shape[1]
+    return gshard_loss_from_counts(scores_w_noise, _expert_histogram(top_ids[:, 0], num_experts, scores_w_noise.dtype))
+
+
+def gshard_loss_from_counts(scores_w_noise: torch.Tensor, first_choice_counts: torch.Tensor) -> torch.Tensor:
+    """gshard_loss given the [E] number of tokens whose first choice is each expert (the routing
+    operator counts them already)."""
     num_tokens, num_experts = scores_w_noise.shape
     if num_tokens == 0:
         return scores_w_noise.sum() * 0
-    mean_probability = scores_w_noise.mean(dim=0)
-    first_choice_share = _expert_histogram(top_ids[:, 0], num_experts, scores_w_noise.dtype) / num_tokens
-    return torch.sum(mean_probability * first_choice_share) * num_experts
+    first_choice_share = first_choice_counts.to(scores_w_noise.dtype) / num_tokens
+    return torch.sum(scores_w_noise.mean(dim=0) * first_choice_share) * num_experts
 
 
 def _accumulation(values: torch.Tensor) -> torch.Tensor:

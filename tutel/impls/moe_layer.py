@@ -243,7 +243,8 @@ class MOELayer(torch.nn.Module):
         with self._per_call(adaptive_degree=adaptive_r, a2a_ffn_overlap_degree=overlap):
             if megablocks_size > 0 and supports_grouped(self.experts):
                 # Dropless without padding: tokens go straight into the experts' grouped rows.
-                y = run_grouped_experts(self, x, crit, reserve_shape, megablocks_size, self.is_postscore)
+                y = run_grouped_experts(self, x, crit, reserve_shape, megablocks_size, self.is_postscore,
+                                        dropless=call.capacity_factor == 0)
             else:
                 y = fast_encode(x, crit, self.is_postscore)
                 y = self._run_experts(y, reserve_shape, overlap, adaptive_r)

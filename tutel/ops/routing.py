@@ -5,6 +5,7 @@ import torch
 
 from .checks import as_slot_tensor, require_dim, require_floating, require_int, require_top_k, same_device
 from .backend import operators_for
+from .tracing import eager_without_grad
 
 
 class RoutingResult(NamedTuple):
@@ -54,6 +55,8 @@ def route_topk(scores: torch.Tensor, k: int, batch_prioritized: bool = False) ->
     require_dim(scores, 2, "scores", where)
     num_experts = scores.shape[1]
     k = require_top_k(k, num_experts, where)
+    if eager_without_grad(scores):  # nothing to differentiate: the autograd wrapper costs as much as T=1's routing
+        return RoutingResult(*operators_for(scores.device).route_topk(scores, k, bool(batch_prioritized)))
     return RoutingResult(*_RouteTopK.apply(scores, k, bool(batch_prioritized)))
 
 
