@@ -162,6 +162,9 @@ def _own_options(argv: Optional[Sequence[str]]):
     parser.add_argument("--max-tokens-16bit", type=int, default=None,
                         help="skip bfloat16 cases above this many tokens (on a loaded machine, or a CPU whose "
                              "16-bit GEMMs are slow, they take minutes each)")
+    parser.add_argument("--result-name", default="transformers_moe",
+                        help="JSON name under --out (benchmarks/report.py also shows 'transformers_moe_16bit_large', "
+                             "a separate run of the 16-bit cases the main run skips)")
     parser.add_argument("--no-train-16bit", action="store_true",
                         help="skip the bfloat16 forward+backward cases (transformers' eager backend takes minutes "
                              "per repetition there on CPUs without native 16-bit dot products)")
@@ -204,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
               "lscpu_model": lscpu_model(), "cpu_flags": cpu_flags(),
               "families": {name: FAMILIES[name][1] for name in families}, "reps": args.reps,
               "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
-    write_result(args.out, "transformers_moe", result, args.smoke)
+    write_result(args.out, own.result_name, result, args.smoke)
     print(format_table(rows, COLUMNS))
     return result
 

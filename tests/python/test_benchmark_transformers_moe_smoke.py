@@ -41,3 +41,32 @@ def test_smoke_run_writes_json(tmp_path):
         # moe_layer holds the weights of the plain SwiGLU families only (gpt-oss clamps its gate).
         assert ("moe_layer_ms" in row) == (row["family"] != "gpt_oss")
     assert returned["rows"] == rows
+
+
+def test_separate_16bit_run_has_its_own_json_and_report_section(tmp_path):
+    """--result-name writes the run under its own name; benchmarks/report.py shows the main run
+    and the separate 16-bit one ('transformers_moe_16bit_large') as two tables."""
+    import torch
+    import importlib
+    threads = torch.get_num_threads()
+    benchmark = load_benchmark()
+    try:
+        benchmark.main(["--smoke", "--threads", "1", "--out", str(tmp_path), "--families", "mixtral"])
+        benchmark.main(["--smoke", "--threads", "1", "--out", str(tmp_path), "--families", "deepseek_v3",
+                        "--dtypes", "bfloat16", "--result-name", "transformers_moe_16bit_large"])
+        importlib.import_module("dropless").main(["--smoke", "--threads", "1", "--out", str(tmp_path)])  # the report's core
+    finally:
+        torch.set_num_threads(threads)
+    with open(tmp_path / "transformers_moe_16bit_large.json") as handle:
+        large = json.load(handle)
+    assert {(row["family"], row["dtype"]) for row in large["rows"]} == {("deepseek_v3", "bfloat16")}
+    assert "--result-name transformers_moe_16bit_large" in large["command"]
+    report = importlib.import_module("report")
+    doc = tmp_path / "performance.md"
+    text = report.main(["--results", str(tmp_path), "--doc", str(doc), "--images", str(tmp_path / "images")])
+    main_section = text.index("## Against transformers' experts backends")
+    large_section = text.index("### 16-bit cases at large T (a separate run)")
+    assert main_section < large_section
+    assert "| deepseek_v3 | bfloat16 |" in text[large_section:] and "| mixtral |" in text[main_section:large_section]
+    # the targets count the separate run's cases too
+    assert "bfloat16: best transformers backend / tutel, every case" in text
