@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..impls.capacity import align_up
 from ..ops.precision import gemm_dtype
-from ..ops.tracing import eager_without_grad
-from .routed import combine_without_grad, piece_rows, plan_routing
+from .routed import combine_without_grad, cpu_without_grad, piece_rows, plan_routing
 
 
 def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
@@ -72,7 +71,7 @@ def _run_without_grad(layer, x: torch.Tensor, crit, dropless: bool) -> Optional[
     autograd wrappers).  Only the blocks' padding rows, which hold zeros and are never read back,
     are not computed.  None where it does not apply."""
     make = getattr(layer.experts, "grouped_products", None)
-    if make is None or x.device.type != "cpu" or not eager_without_grad(x, *layer.experts.parameters()):
+    if make is None or not cpu_without_grad(x, *layer.experts.parameters()):
         return None
     num_experts, indices_s, locations_s, gates_s, capacity = crit[:5]
     indices, locations, gates = _choice_table(indices_s), _choice_table(locations_s), _choice_table(gates_s)

@@ -124,8 +124,8 @@ class _ExpertsCall(NamedTuple):
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
-        hidden = add_expert_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias, plan,
-                           self.lean)
+        hidden = add_expert_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias,
+                                 plan, self.lean)
         if self.gate == SWIGLU:
             hidden = swiglu(hidden)
         elif self.gate_fn is not None:
@@ -134,8 +134,8 @@ class _ExpertsCall(NamedTuple):
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = add_expert_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias, plan,
-                        self.lean)
+        out = add_expert_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias,
+                              plan, self.lean)
         return out if self.post_fn is None else self.post_fn(out)
 
 
@@ -176,8 +176,7 @@ def combine_without_grad(x: torch.Tensor, weights: Optional[torch.Tensor], plan:
         return _run_in_pieces(x, weights, plan, kept, rows_per_piece, products)
     # Capacity `kept`: the dropped choices (slot N = T*k) stay out of the grouped rows.
     rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, kept)[0]
-    out = products(rows.view(kept, x.shape[1]), plan if kept == plan.slot_choices.shape[0] else
-                   _plan_piece(plan, 0, kept))
+    out = products(rows.view(kept, x.shape[1]), _plan_piece(plan, 0, kept))
     gates = None if weights is None else weights.t().to(accumulation_dtype(out.dtype)).contiguous()
     return torch.ops.tutel.gather_slots(out.view(1, kept, out.shape[-1]), plan.indices, plan.locations, gates,
                                         None)[0]
@@ -206,16 +205,19 @@ def _run_in_pieces(x: torch.Tensor, weights: Optional[torch.Tensor], plan: Routi
 
 
 def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
-    """The routing plan of grouped rows [start, end): group ends shifted and clipped to the piece."""
+    """The routing plan of grouped rows [start, end): group ends shifted and clipped to the piece
+    (the plan itself when the piece is every row)."""
+    if start == 0 and end == plan.slot_choices.shape[0]:
+        return plan
     offsets = (plan.offsets - start).clamp(0, end - start)
     return RoutingPlan(plan.indices, plan.locations, plan.slot_choices[start:end], plan.sorted_ids[start:end],
                        plan.counts, offsets)
 
 
-def _lean_call(x, weights, *parameters) -> bool:
-    """Whether dispatch and combine may call tutel's CPU operators directly: on CPU, eager, and
-    nothing to differentiate (the arguments were checked by routed_experts and the plan is tutel's)."""
-    return x.device.type == "cpu" and eager_without_grad(x, weights, *parameters)
+def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call may take combine_without_grad: `x` on CPU, eager, and no gradient to any of
+    `x` and `tensors` (tutel.ops.tracing.eager_without_grad)."""
+    return x.device.type == "cpu" and eager_without_grad(x, *tensors)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -320,7 +322,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         x, up_weight, down_weight = x.to(wide), up_weight.to(wide), down_weight.to(wide)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
-    lean = _lean_call(x, weights, up_weight, down_weight, up_bias, down_bias)
+    lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn,
                            lean)
     if lean:
