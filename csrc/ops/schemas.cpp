@@ -45,4 +45,12 @@ TORCH_LIBRARY(tutel, m) {
   m.def(
       "grouped_linear_backward(Tensor grad, Tensor x, Tensor weight, int[] group_rows, bool weight_transposed, "
       "bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+  // Gated activation of the experts' up projection gate_up [n, 2I] (gates and ups concatenated,
+  // or alternating when interleaved): h = (u' + up_offset) * g' * sigmoid(alpha g') [n, I],
+  // g' = min(g, limit), u' = clamp(u, -limit, limit) (limit None: no clamping).  CPU only.
+  m.def("gated_unit(Tensor gate_up, float alpha, float up_offset, float? limit, bool interleaved) -> Tensor");
+  // d gate_up [n, 2I] (gate_up's layout) from d h [n, I].
+  m.def(
+      "gated_unit_backward(Tensor grad, Tensor gate_up, float alpha, float up_offset, float? limit, "
+      "bool interleaved) -> Tensor");
 }

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..ops import expert_linear
+from ..ops.gated_units import GatedUnit, gated_unit
 from ._grouped import flatten_features, run_padded
 from .sharding import _gather_over
 
@@ -94,15 +95,9 @@ class ClampedSwiGLUExperts(torch.nn.Module):
         return params
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(u' + 1) * g' * sigmoid(alpha * g') on the [..., 2I] gate/up projection."""
-        if self.interleaved:
-            gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-        if self.limit is not None:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
+        """(u' + 1) * g' * sigmoid(alpha * g') on the [..., 2I] gate/up projection (fused on CPU:
+        tutel.ops.gated_units)."""
+        return gated_unit(gate_up, GatedUnit(self.alpha, 1.0, self.limit, self.interleaved))
 
     def _mlp(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
         w_gu, b_gu, w_down, b_down = self.weights_for(ctx)

@@ -14,8 +14,12 @@ How the caller names the activation
 * ``gate="swiglu"``: the up projection holds the gate and up halves one after the other
   ([n, 2I] = [gate | up]) and the expert computes ``silu(gate) * up``.  This is the rule of
   LLaMA, Mixtral, Qwen-MoE, DeepSeek and the default ``_apply_gate`` of transformers' experts
-  with ``act_fn = silu``.  Naming it lets the implementation fuse it; a caller that is not sure
-  the rule applies passes ``gate_fn`` instead.
+  with ``act_fn = silu``.  Naming it lets the implementation fuse it (``tutel.ops.gated_units``,
+  one pass forward and one backward on CPU); a caller that is not sure the rule applies passes
+  ``gate_fn`` instead.
+* ``gate=GatedUnit(alpha, up_offset, limit, interleaved)`` (``tutel.ops.gated_units``): the
+  clamped, offset and interleaved variants of the same rule, e.g. gpt-oss'
+  ``GatedUnit(1.702, 1.0, 7.0, interleaved=True)``, fused the same way.
 * ``gate_fn``: any callable [n, U] -> [n, I] (e.g. a transformers experts module's bound
   ``_apply_gate``, gpt-oss' clamped interleaved variant).  Called on the up projection as is.
 * ``activation``: an elementwise callable (``F.gelu``, a module's ``act_fn``) for experts
@@ -33,14 +37,14 @@ per-expert row counts.  16-bit data on a CPU without native 16-bit dot products 
 float32 once experts average 32 rows or more (``tutel.ops.precision``); the result keeps x's
 dtype either way.
 """
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 from ..impls.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
+from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, gated_unit
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype
 from ..ops.tracing import eager_without_grad
@@ -116,7 +120,7 @@ class _ExpertsCall(NamedTuple):
     up_bias: Optional[torch.Tensor]
     down_bias: Optional[torch.Tensor]
     transposed: bool
-    gate: Optional[str]
+    gate: Optional[GatedUnit]
     gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
     post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -126,8 +130,8 @@ class _ExpertsCall(NamedTuple):
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
         hidden = add_expert_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias,
                                  plan, self.lean)
-        if self.gate == SWIGLU:
-            hidden = swiglu(hidden)
+        if self.gate is not None:
+            hidden = gated_unit(hidden, self.gate)
         elif self.gate_fn is not None:
             hidden = self.gate_fn(hidden)
         else:
@@ -220,16 +224,14 @@ def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
     return x.device.type == "cpu" and eager_without_grad(x, *tensors)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [n, 2I] = [gate | up].
-
-    Without autograd the result overwrites the gate half of `gate_up` (a strided [n, I] view that
-    the grouped product reads as it is): at large n the two [n, I] temporaries of the out-of-place
-    form are fresh allocations whose pages the OS must zero on every call."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if not (torch.is_grad_enabled() and gate_up.requires_grad):
-        return F.silu(gate, inplace=True).mul_(up)
-    return F.silu(gate) * up
+def gate_unit_of(gate: Union[None, str, GatedUnit]) -> Optional[GatedUnit]:
+    """The GatedUnit a `gate` argument names (None for None); ValueError for anything else."""
+    if gate is None or isinstance(gate, GatedUnit):
+        return gate
+    if isinstance(gate, str) and gate == SWIGLU:
+        return SWIGLU_UNIT
+    raise ValueError(f"tutel.experts.routed_experts: `gate` must be one of {GATES} or a "
+                     f"tutel.ops.gated_units.GatedUnit, got {gate!r}")
 
 
 def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn,
@@ -267,8 +269,7 @@ def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, t
         raise ValueError(f"{where}: give `gate` ({'/'.join(GATES)}, optionally with the equivalent `gate_fn`), "
                          f"or exactly one of `gate_fn` and `activation`; got "
                          f"{(['gate'] if gate is not None else []) + given or 'none'}")
-    if gate is not None and gate not in GATES:
-        raise ValueError(f"{where}: `gate` must be one of {GATES}, got {gate!r}")
+    gate_unit_of(gate)
     if gate is not None and (up_out % 2 or up_out // 2 != down_in):
         raise ValueError(f"{where}: with gate={gate!r} the up projection's {up_out} outputs must be twice the "
                          f"down projection's {down_in} inputs")
@@ -286,7 +287,7 @@ def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, t
 def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
                    up_weight: torch.Tensor, down_weight: torch.Tensor, *,
                    up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
-                   transposed: bool = False, gate: Optional[str] = None,
+                   transposed: bool = False, gate: Union[None, str, GatedUnit] = None,
                    gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                    activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                    post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
@@ -301,7 +302,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         down_weight: [E, O, I] or [E, I, O].
         up_bias, down_bias: optional [E, U] and [E, O].
         transposed: the weights' layout, as above.
-        gate: ``"swiglu"`` for silu(gate) * up on concatenated halves (may be fused).
+        gate: ``"swiglu"`` for silu(gate) * up on concatenated halves, or a GatedUnit (fused).
         gate_fn: callable [n, U] -> [n, I] on the up projection (any other gate).
         activation: elementwise callable for experts without a gate.
         post_fn: optional row-wise callable on the [n, O] expert outputs before weighting.
@@ -323,8 +324,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
-    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn,
-                           lean)
+    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate_unit_of(gate), gate_fn,
+                           activation, post_fn, lean)
     if lean:
         return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])

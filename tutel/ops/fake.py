@@ -71,3 +71,13 @@ def _grouped_linear_backward(grad, x, weight, group_rows, weight_transposed, out
     grad_weight = weight.new_empty(weight.shape if output_mask[1] else (0,))
     grad_bias = x.new_empty((weight.shape[0] if output_mask[2] else 0, _grouped_outputs(weight, weight_transposed)))
     return grad_x, grad_weight, grad_bias
+
+
+@register_fake("tutel::gated_unit")
+def _gated_unit(gate_up, alpha, up_offset, limit, interleaved):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@register_fake("tutel::gated_unit_backward")
+def _gated_unit_backward(grad, gate_up, alpha, up_offset, limit, interleaved):
+    return gate_up.new_empty(gate_up.shape)

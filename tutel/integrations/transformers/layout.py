@@ -11,11 +11,14 @@ experts cannot run exactly.
 Only shapes and Python attributes are read, so under ``torch.compile`` the checks are settled
 at trace time and cost nothing afterwards.
 """
-from typing import Callable, NamedTuple, Optional
+import math
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import _default_apply_gate
+
+from ...ops.gated_units import GatedUnit
 
 # The flags the decorator sets, in the order they are checked.
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm", "_is_expert_parallel")
@@ -37,7 +40,9 @@ class ExpertsLayout(NamedTuple):
     up_bias: Optional[torch.Tensor]
     down_bias: Optional[torch.Tensor]
     transposed: bool
-    gate: Optional[str]  # "swiglu" when the module's gate is exactly silu(first half) * second half
+    # "swiglu" when the module's gate is exactly silu(first half) * second half; a GatedUnit for
+    # gpt-oss' own clamped interleaved gate; None otherwise (gate_fn runs)
+    gate: Union[None, str, GatedUnit]
     gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
     post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -90,11 +95,28 @@ def _interleaved_gate(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callabl
     return gate
 
 
+def _gpt_oss_unit(module: torch.nn.Module) -> Optional[GatedUnit]:
+    """The GatedUnit of gpt-oss' own ``_apply_gate`` (clamped g * sigmoid(alpha g) * (u + 1) on
+    alternating columns) when `module` runs exactly that function with finite settings, so that
+    tutel fuses it; None for any other gate (a subclass overriding it included)."""
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # a transformers without gpt-oss
+        return None
+    if getattr(type(module), "_apply_gate", None) is not GptOssExperts._apply_gate:
+        return None
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    finite = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (alpha, limit))
+    if not finite or limit <= 0:
+        return None
+    return GatedUnit(float(alpha), 1.0, float(limit), interleaved=True)
+
+
 def _gate_rule(module: torch.nn.Module, concatenated: bool, up_width: int, inner: int):
     """(gate, gate_fn) for a gated module: the class's own ``_apply_gate`` when it defines one
     (it knows its layout), else transformers' default rule on the declared layout."""
     if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
-        return None, _callable(module, "_apply_gate", "_apply_gate")
+        return _gpt_oss_unit(module), _callable(module, "_apply_gate", "_apply_gate")
     if up_width != 2 * inner:
         raise UnsupportedExpertsLayout(
             module, "has_gate", f"the gate/up projection has {up_width} outputs, but the default gate needs twice "

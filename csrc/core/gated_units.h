@@ -1,0 +1,84 @@
+// Gated linear units of the experts' up projection, forward and backward, each in one pass over
+// the rows.
+//
+// Row r of the up projection holds 2I values; with `interleaved` the gate and up values
+// alternate (g0, u0, g1, u1, ...: gpt-oss), otherwise the first I are the gates and the last I
+// the ups (LLaMA, Mixtral, Qwen, DeepSeek).  With g' = min(g, limit), u' = clamp(u, -limit,
+// limit) when the unit is `clamped` (g' = g, u' = u otherwise) and s = sigmoid(alpha * g'):
+//
+//     h    = (u' + up_offset) * g' * s
+//     d g  = d h * (u' + up_offset) * s * (1 + alpha * g' * (1 - s))  where g <= limit, else 0
+//     d u  = d h * g' * s                                              where |u| <= limit, else 0
+//
+// SwiGLU is alpha 1, up_offset 0, not clamped (h = silu(g) * u); gpt-oss is alpha 1.702,
+// up_offset 1, limit 7.  The gradient passes where the value lies inside the closed bounds, as
+// PyTorch's clamp lets it.  Composed from PyTorch operators this is five to twelve passes over
+// [rows, I] tensors, each a fresh allocation, and the backward of the interleaved layout
+// scatters both halves into zero-filled [rows, 2I] buffers; here it is one read and one write.
+//
+// Sums and products run in float for float / bfloat16 / float16 and in double for double,
+// rounded to T once.  The vectorised exponential agrees with std::exp to a few float ulps, so
+// results match PyTorch's to the storage type's rounding, not bitwise.
+#pragma once
+
+#include <cstdint>
+
+#include "scalar.h"
+
+namespace tutel {
+namespace core {
+
+struct GatedUnit {  // in double, so that float64 data keeps every digit; float kernels round once
+  double alpha;
+  double up_offset;
+  bool clamped;
+  double limit;  // used when clamped
+  bool interleaved;
+};
+
+template <class T>
+struct GatedRows {
+  const T* gate_up;  // rows x 2I, row stride gate_up_stride
+  int64_t gate_up_stride;
+  const T* grad;  // backward: d h, rows x I, row stride grad_stride
+  int64_t grad_stride;
+  T* out;  // forward: h (rows x I); backward: d gate_up (rows x 2I, the gate_up layout)
+  int64_t out_stride;
+  int64_t rows;
+  int64_t width;  // I
+};
+
+// Processes rows [row_begin, row_end).
+template <class T>
+using GatedKernel = void (*)(const GatedUnit& unit, const GatedRows<T>& rows, int64_t row_begin, int64_t row_end);
+
+template <class T>
+struct GatedKernels {
+  GatedKernel<T> forward;
+  GatedKernel<T> backward;
+};
+
+// The portable kernels, always available (the tests' second implementation).
+template <class T>
+const GatedKernels<T>& portable_gated_kernels();
+
+// Units [unit_begin, I) of one row, portably: the rest of a row the vector kernels leave.
+template <class T>
+void portable_forward_units(const GatedUnit& unit, const GatedRows<T>& rows, int64_t row, int64_t unit_begin);
+template <class T>
+void portable_backward_units(const GatedUnit& unit, const GatedRows<T>& rows, int64_t row, int64_t unit_begin);
+
+// The AVX2 + FMA kernels, or nullptr when this build or this CPU has none (and for double).
+template <class T>
+const GatedKernels<T>* avx2_gated_kernels();
+
+// h for every row, rows split over the threads.
+template <class T>
+void gated_forward(const GatedUnit& unit, const GatedRows<T>& rows);
+
+// d gate_up for every row, rows split over the threads.
+template <class T>
+void gated_backward(const GatedUnit& unit, const GatedRows<T>& rows);
+
+}  // namespace core
+}  // namespace tutel
