@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from ..ops import expert_linear
 from ..ops.grouped_mm import grouped_rows_mm
 from ._grouped import flatten_features, run_padded
-from .routed import add_expert_bias
 
 
 class FusedExpertsNetwork(torch.nn.Module):
@@ -128,9 +127,8 @@ class FusedExpertsNetwork(torch.nn.Module):
         fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else p.to(dtype) for p in self.weights_for(ctx))
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
-            h = add_expert_bias(grouped_rows_mm(rows, fc1_w, plan.offsets), fc1_b, plan, lean=True)
-            out = grouped_rows_mm(self._activate_output(h), fc2_w, plan.offsets, transposed=True)
-            return add_expert_bias(out, fc2_b, plan, lean=True)
+            h = grouped_rows_mm(rows, fc1_w, plan.offsets, bias=fc1_b)
+            return grouped_rows_mm(self._activate_output(h), fc2_w, plan.offsets, transposed=True, bias=fc2_b)
 
         return run, fc1_w.shape[1] * fc1_w.element_size()
 

@@ -94,25 +94,6 @@ def _plan_routing_by_sort(expert_ids: torch.Tensor, num_experts: int) -> Routing
                        counts.cumsum(0).to(torch.int32))
 
 
-def _grouped_rows_matmul(rows: torch.Tensor, weight: torch.Tensor, transposed: bool, plan: RoutingPlan) -> torch.Tensor:
-    """[N, K] rows grouped by expert times their expert's matrix -> [N, O] (zero past the kept rows)."""
-    return grouped_rows_mm(rows, weight, plan.offsets, transposed)
-
-
-def add_expert_bias(out: torch.Tensor, bias: Optional[torch.Tensor], plan: RoutingPlan, lean: bool) -> torch.Tensor:
-    """out + each grouped row's expert bias (bias [E, O]).  `lean` (nothing differentiated): in place,
-    and the dropped rows (sorted last, never read back) may take the last expert's bias."""
-    if bias is None:
-        return out
-    num_experts = bias.shape[0]
-    rows = bias.index_select(0, plan.sorted_ids.clamp(max=num_experts - 1))
-    if lean:
-        return out.add_(rows.to(out.dtype))
-    # The dropped rows (sorted last) must send no gradient into the last expert's bias.
-    rows = torch.where((plan.sorted_ids < num_experts).unsqueeze(1), rows, torch.zeros_like(rows))
-    return out + rows.to(out.dtype)
-
-
 class _ExpertsCall(NamedTuple):
     """The experts of one routed_experts call, applied to grouped rows."""
     up_weight: torch.Tensor
@@ -124,12 +105,11 @@ class _ExpertsCall(NamedTuple):
     gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
     post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    lean: bool  # nothing differentiated: biases added in place
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights)."""
-        hidden = add_expert_bias(_grouped_rows_matmul(rows, self.up_weight, self.transposed, plan), self.up_bias,
-                                 plan, self.lean)
+        """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);
+        the rows past the kept ones stay zero.  The biases ride in the grouped products."""
+        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias)
         if self.gate is not None:
             hidden = gated_unit(hidden, self.gate)
         elif self.gate_fn is not None:
@@ -138,8 +118,7 @@ class _ExpertsCall(NamedTuple):
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = add_expert_bias(_grouped_rows_matmul(hidden, self.down_weight, self.transposed, plan), self.down_bias,
-                              plan, self.lean)
+        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias)
         return out if self.post_fn is None else self.post_fn(out)
 
 
@@ -325,7 +304,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     total = plan.locations.numel()
     lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate_unit_of(gate), gate_fn,
-                           activation, post_fn, lean)
+                           activation, post_fn)
     if lean:
         return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])

@@ -67,36 +67,52 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type != "cpu" and a.shape[0] > 0 and grouped_mm_supports(a, b)
 
 
-def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: the expert each row belongs to (E for the rows past the last group), on the
+    offsets' device without reading them back."""
+    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, positions, right=True)
+
+
+def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     right = _right(weight, transposed)
     if _use_grouped_mm(rows, right):
-        return _zero_tail(F.grouped_mm(rows, right, offs=offsets), offsets)
+        out = F.grouped_mm(rows, right, offs=offsets)
+        if bias is not None:  # the rows past the last group take zeros (zero_tail below)
+            out = out.add_(F.pad(bias, (0, 0, 0, 1)).index_select(0, _expert_of_rows(offsets, rows.shape[0])))
+        return _zero_tail(out, offsets)
     counts = _counts(offsets)
     kept = sum(counts)
     run = torch.ops.tutel.grouped_linear if rows.device.type == "cpu" else grouped_linear_loop
     if kept == rows.shape[0]:  # no dropped rows (the usual case): no zero tail to add
-        return run(rows, weight, None, counts, not transposed)  # rows may be a row-strided view
+        return run(rows, weight, bias, counts, not transposed)  # rows may be a row-strided view
     out = rows.new_zeros((rows.shape[0], right.shape[-1]))
     if kept:
-        out[:kept] = run(rows[:kept], weight, None, counts, not transposed)
+        out[:kept] = run(rows[:kept], weight, bias, counts, not transposed)
     return out
 
 
 def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-              need_rows: bool, need_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+              need_rows: bool, need_weight: bool, need_bias: bool = False
+              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
     right = _right(weight, transposed)
     if _use_grouped_mm(grad, right) and grouped_mm_supports(rows, right):
         grad_rows = F.grouped_mm(grad, right.transpose(-1, -2), offs=offsets) if need_rows else None
-        grad_weight = None
+        grad_weight = grad_bias = None
         if need_weight:
             # 2-D x 2-D grouped product: one [K, O] (or [O, K]) block per expert, zero for idle ones.
             grad_weight = F.grouped_mm(rows.t(), grad, offs=offsets) if transposed \
                 else F.grouped_mm(grad.t(), rows, offs=offsets)
-        return None if grad_rows is None else _zero_tail(grad_rows, offsets), grad_weight
+        if need_bias:  # per-expert sums of the gradient rows; the rows past the last group go to row E
+            experts = offsets.shape[0]
+            grad_bias = grad.new_zeros((experts + 1, grad.shape[1])).index_add_(
+                0, _expert_of_rows(offsets, grad.shape[0]), grad)[:experts]
+        return None if grad_rows is None else _zero_tail(grad_rows, offsets), grad_weight, grad_bias
     counts = _counts(offsets)
     kept = sum(counts)
-    mask = [need_rows, need_weight, False]
+    mask = [need_rows, need_weight, need_bias]
     if rows.device.type == "cpu":
         grads = torch.ops.tutel.grouped_linear_backward(grad[:kept], rows[:kept].contiguous(), weight, counts,
                                                         not transposed, mask)
@@ -106,62 +122,77 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
     if need_rows:
         grad_rows = grads[0] if kept == rows.shape[0] else torch.cat([grads[0], rows.new_zeros(
             (rows.shape[0] - kept, rows.shape[1]))])
-    return grad_rows, (grads[1] if need_weight else None)
+    return grad_rows, (grads[1] if need_weight else None), (grads[2] if need_bias else None)
 
 
 @torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())
-def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return _forward(rows, weight, offsets, transposed)
+def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _forward(rows, weight, offsets, transposed, bias)
 
 
 @_grouped_rows_mm.register_fake
-def _grouped_rows_mm_fake(rows, weight, offsets, transposed):
+def _grouped_rows_mm_fake(rows, weight, offsets, transposed, bias=None):
     return rows.new_empty((rows.shape[0], weight.shape[2] if transposed else weight.shape[1]))
 
 
 @torch.library.custom_op("tutel::grouped_rows_mm_backward", mutates_args=())
 def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                              transposed: bool, need_rows: bool, need_weight: bool) -> List[torch.Tensor]:
-    grad_rows, grad_weight = _backward(grad, rows, weight, offsets, transposed, need_rows, need_weight)
+                              transposed: bool, need_rows: bool, need_weight: bool,
+                              need_bias: bool) -> List[torch.Tensor]:
+    grad_rows, grad_weight, grad_bias = _backward(grad, rows, weight, offsets, transposed, need_rows, need_weight,
+                                                  need_bias)
     return [rows.new_empty((0,)) if grad_rows is None else grad_rows,
-            weight.new_empty((0,)) if grad_weight is None else grad_weight]
+            weight.new_empty((0,)) if grad_weight is None else grad_weight,
+            grad.new_empty((0,)) if grad_bias is None else grad_bias]
 
 
 @_grouped_rows_mm_backward.register_fake
-def _grouped_rows_mm_backward_fake(grad, rows, weight, offsets, transposed, need_rows, need_weight):
-    return [rows.new_empty(rows.shape if need_rows else (0,)), weight.new_empty(weight.shape if need_weight else (0,))]
+def _grouped_rows_mm_backward_fake(grad, rows, weight, offsets, transposed, need_rows, need_weight, need_bias):
+    outputs = weight.shape[2] if transposed else weight.shape[1]
+    return [rows.new_empty(rows.shape if need_rows else (0,)), weight.new_empty(weight.shape if need_weight else (0,)),
+            grad.new_empty((weight.shape[0], outputs) if need_bias else (0,))]
 
 
 def _setup_context(ctx, inputs, output):
-    rows, weight, offsets, transposed = inputs
+    rows, weight, offsets, transposed = inputs[:4]
     ctx.save_for_backward(rows, weight, offsets)
     ctx.transposed = transposed
 
 
 def _autograd_backward(ctx, grad):
     rows, weight, offsets = ctx.saved_tensors
-    need_rows, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_rows, grad_weight = torch.ops.tutel.grouped_rows_mm_backward(grad, rows, weight, offsets, ctx.transposed,
-                                                                      need_rows, need_weight)
-    return (grad_rows if need_rows else None, grad_weight if need_weight else None, None, None)
+    needs = ctx.needs_input_grad  # a bias left at its default is not among the inputs
+    need_rows, need_weight, need_bias = needs[0], needs[1], len(needs) > 4 and needs[4]
+    grad_rows, grad_weight, grad_bias = torch.ops.tutel.grouped_rows_mm_backward(
+        grad, rows, weight, offsets, ctx.transposed, need_rows, need_weight, need_bias)
+    grads = (grad_rows if need_rows else None, grad_weight if need_weight else None, None, None,
+             grad_bias if need_bias else None)
+    return grads[:len(needs)]
 
 
 _grouped_rows_mm.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                    transposed: bool = False) -> torch.Tensor:
-    """[N, K] rows sorted by expert times their expert's matrix -> [N, O] (see the module docstring).
+                    transposed: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, K] rows sorted by expert times their expert's matrix (+ its bias) -> [N, O] (see the
+    module docstring).
 
     Args:
         rows: [N, K] in the weight's dtype.
         weight: [E, O, K] (``F.linear`` layout), or [E, K, O] with ``transposed=True``.
         offsets: [E] int32, offsets[e] = end of expert e's rows (non-decreasing, <= N).
         transposed: the weight's layout.
+        bias: [E, O] in the weight's dtype, added to each expert's rows (not to the rows past
+            offsets[-1], which stay zero and send it no gradient); on CPU it rides in the
+            products (the GEMM's addmm, the skinny products' sums) instead of a pass over [N, O].
     """
     offsets = offsets.to(torch.int32)
-    if eager_without_grad(rows, weight):
+    if bias is not None and bias.dtype != rows.dtype:
+        bias = bias.to(rows.dtype)
+    if eager_without_grad(rows, weight, bias):
         # Nothing to trace or differentiate: skip the custom operator's dispatch (a tenth of a
         # millisecond, as much as a decoding step's product of a small expert).
-        return _forward(rows, weight, offsets, bool(transposed))
-    return _grouped_rows_mm(rows, weight, offsets, bool(transposed))
+        return _forward(rows, weight, offsets, bool(transposed), bias)
+    return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias)
