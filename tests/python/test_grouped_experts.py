@@ -265,3 +265,17 @@ def test_choice_table_reuses_only_the_unbound_table():
         got = _choice_table(choices)
         assert torch.equal(got, expected)
     assert _choice_table(table) is table
+
+
+def test_llama_weights_of_a_whole_shard_are_views_without_a_narrow():
+    """With the whole expert in one shard the call's weights are views of the parameters, so their
+    backward adds into the gradient instead of filling a zero tensor of the parameter's size
+    (what a narrow's backward does, three weight-sized passes per step)."""
+    from tutel.experts.llama_ffn import LlamaFFNNetwork
+    from tutel.experts.sharding import llama_weights_for_call
+    experts = LlamaFFNNetwork(model_dim=6, hidden_size_per_expert=5, num_experts_per_device=3)
+    for name, weight in zip(("W_fc1", "W_fc2", "W_fc3"), llama_weights_for_call(experts, experts)):
+        assert weight.shape == experts.full_shapes[name]
+        assert weight.data_ptr() == getattr(experts, name).data_ptr()
+        chain = [type(weight.grad_fn).__name__, type(weight.grad_fn.next_functions[0][0]).__name__]
+        assert chain[0].startswith("View") and chain[1] == "AccumulateGrad", chain

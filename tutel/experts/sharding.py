@@ -66,8 +66,12 @@ def llama_weights_for_call(module, ctx):
     for name in ("W_fc1", "W_fc2", "W_fc3"):
         flat = getattr(module, name)
         shape = module.full_shapes[name]
+        numel = shape[0] * shape[1] * shape[2]
         if group is None:
-            weights.append(flat.narrow(0, 0, shape[0] * shape[1] * shape[2]).view(shape))
+            # A whole shard is viewed, not narrowed: the backward of a narrow fills a zero tensor
+            # of the parameter's size and copies the gradient into it (three weight-sized passes
+            # per step, an eighth of a Qwen3-like training step at 2048 tokens).
+            weights.append((flat if flat.numel() == numel else flat.narrow(0, 0, numel)).view(shape))
         elif world_size > 1 and ctx.adaptive_degree == 0 and module.sharded_count == 1:
             # every process holds whole experts: stack all processes' experts
             gathered = zero_gather(flat, group=group)
@@ -75,6 +79,6 @@ def llama_weights_for_call(module, ctx):
         else:
             members = world_size if ctx.adaptive_degree == 0 else module.sharded_count
             experts = members // module.sharded_count
-            full = zero_gather(flat, group=group).view(experts, -1)[:, :shape[0] * shape[1] * shape[2]]
+            full = zero_gather(flat, group=group).view(experts, -1)[:, :numel]
             weights.append(full.reshape(experts * shape[0], *shape[1:]))
     return tuple(weights)

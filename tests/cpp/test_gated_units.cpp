@@ -1,0 +1,113 @@
+// Gated units: the portable and the AVX2 kernels (when this CPU has them) against double
+// arithmetic, forward and backward, both layouts, clamped or not, every storage type, widths
+// around the 8-unit vector blocks, row strides wider than the rows, and rows split between calls.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/gated_units.h"
+
+using namespace tutel::core;
+
+namespace {
+
+const int64_t kWidths[] = {1, 7, 8, 9, 16, 37};
+const GatedUnit kUnits[] = {{1.0, 0.0, false, 0.0, false},   // SwiGLU
+                            {1.702, 1.0, true, 7.0, true},   // gpt-oss
+                            {1.702, 1.0, true, 7.0, false},  // clamped, concatenated
+                            {0.5, -2.0, false, 0.0, true}};  // offset, interleaved, no clamp
+
+double unit_rounding(float) { return std::ldexp(1.0, -24); }
+double unit_rounding(double) { return std::ldexp(1.0, -53); }
+double unit_rounding(bfloat16) { return std::ldexp(1.0, -8); }
+double unit_rounding(float16) { return std::ldexp(1.0, -11); }
+
+template <class T>
+double value(T v) {
+  return double(Scalar<T>::load(v));
+}
+
+struct Expected {
+  double h, dg, du, h_scale, dg_scale, du_scale;
+};
+
+// The definition in double (gradient passes at the bounds, as torch.clamp's does).
+Expected expected(const GatedUnit& unit, double g_in, double u_in, double dh) {
+  double g = g_in, u = u_in;
+  bool gate_passes = true, up_passes = true;
+  if (unit.clamped) {
+    gate_passes = g_in <= unit.limit;
+    up_passes = u_in >= -unit.limit && u_in <= unit.limit;
+    g = std::min(g_in, unit.limit);
+    u = std::max(-unit.limit, std::min(unit.limit, u_in));
+  }
+  const double s = 1.0 / (1.0 + std::exp(-unit.alpha * g));
+  const double up = u + unit.up_offset;
+  Expected e;
+  e.h = up * g * s;
+  e.dg = gate_passes ? dh * up * s * (1.0 + unit.alpha * g * (1.0 - s)) : 0.0;
+  e.du = up_passes ? dh * g * s : 0.0;
+  e.h_scale = std::fabs(up * g);
+  e.dg_scale = std::fabs(dh * up) * (1.0 + std::fabs(unit.alpha * g));
+  e.du_scale = std::fabs(dh * g);
+  return e;
+}
+
+template <class T>
+void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_t width, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 5.f);
+  const int64_t rows = 5, in_stride = 2 * width + 3, grad_stride = width + 2;
+  std::vector<T> gate_up(rows * in_stride), grad(rows * grad_stride), h(rows * (width + 1)),
+      d(rows * (2 * width + 1));
+  for (auto& v : gate_up) v = Scalar<T>::store(dist(rng));
+  for (auto& v : grad) v = Scalar<T>::store(dist(rng) / 5.f);
+  if (unit.clamped) {  // the bounds themselves
+    gate_up[0] = Scalar<T>::store(float(unit.limit));
+    gate_up[unit.interleaved ? 1 : width] = Scalar<T>::store(float(-unit.limit));
+  }
+  const T sentinel = Scalar<T>::store(12345.f);
+  for (auto& v : h) v = sentinel;
+  for (auto& v : d) v = sentinel;
+  GatedRows<T> forward{gate_up.data(), in_stride, nullptr, 0, h.data(), width + 1, rows, width};
+  GatedRows<T> backward{gate_up.data(), in_stride, grad.data(), grad_stride, d.data(), 2 * width + 1, rows, width};
+  // Two row ranges, as two threads would take them.
+  kernels.forward(unit, forward, 0, 2);
+  kernels.forward(unit, forward, 2, rows);
+  kernels.backward(unit, backward, 0, 3);
+  kernels.backward(unit, backward, 3, rows);
+  const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(value(h[r * (width + 1) + width]), value(sentinel)) << "wrote past h's row";
+    EXPECT_EQ(value(d[r * (2 * width + 1) + 2 * width]), value(sentinel)) << "wrote past d gate_up's row";
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t gc = unit.interleaved ? 2 * i : i, uc = unit.interleaved ? 2 * i + 1 : width + i;
+      const Expected e = expected(unit, value(gate_up[r * in_stride + gc]), value(gate_up[r * in_stride + uc]),
+                                  value(grad[r * grad_stride + i]));
+      EXPECT_NEAR(value(h[r * (width + 1) + i]), e.h, tolerance * e.h_scale + 1e-30) << "h row " << r << " unit " << i;
+      EXPECT_NEAR(value(d[r * (2 * width + 1) + gc]), e.dg, tolerance * e.dg_scale + 1e-30)
+          << "d gate row " << r << " unit " << i;
+      EXPECT_NEAR(value(d[r * (2 * width + 1) + uc]), e.du, tolerance * e.du_scale + 1e-30)
+          << "d up row " << r << " unit " << i;
+    }
+  }
+}
+
+template <class T>
+void check_all() {
+  std::mt19937 rng(7);
+  for (const GatedUnit& unit : kUnits) {
+    for (int64_t width : kWidths) {
+      check_kernels(portable_gated_kernels<T>(), unit, width, rng);
+      if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_kernels(*avx2, unit, width, rng);
+    }
+  }
+}
+
+}  // namespace
+
+TEST(GatedUnits, FloatMatchesDouble) { check_all<float>(); }
+TEST(GatedUnits, DoubleMatchesDouble) { check_all<double>(); }
+TEST(GatedUnits, BFloat16MatchesDouble) { check_all<bfloat16>(); }
+TEST(GatedUnits, Float16MatchesDouble) { check_all<float16>(); }
