@@ -66,17 +66,18 @@ def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
     return run
 
 
-def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int) -> int:
-    """Repetitions so that one case takes about SECONDS_PER_CASE (each candidate timed once)."""
+def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int, min_reps: int = 1) -> int:
+    """Repetitions so that one case takes about SECONDS_PER_CASE (each candidate timed once), at
+    least `min_reps` (a median of one or two samples moves with every hiccup of a shared machine)."""
     start = time.perf_counter()
     for fn in candidates.values():
         fn()
     once = time.perf_counter() - start
-    return max(1, min(max_reps, int(SECONDS_PER_CASE / max(once, 1e-6))))
+    return max(1, min_reps, min(max_reps, int(SECONDS_PER_CASE / max(once, 1e-6))))
 
 
 def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, smoke: bool,
-                 max_reps: int) -> Dict[str, object]:
+                 max_reps: int, min_reps: int = 1) -> Dict[str, object]:
     dtype = DTYPES[dtype_name]
     hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
     generator = torch.Generator().manual_seed(tokens)
@@ -96,7 +97,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
         candidates["moe_layer"] = _layer_call(layer, x, train, grad)
     probes = LimitProbes(dtype, smoke)
     candidates.update(probes.candidates())
-    reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps)
+    reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps))
     times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
     rates = probes.rates(times)  # the machine's rates during this case, under the same load
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
@@ -168,6 +169,9 @@ def _own_options(argv: Optional[Sequence[str]]):
     parser.add_argument("--no-train-16bit", action="store_true",
                         help="skip the bfloat16 forward+backward cases (transformers' eager backend takes minutes "
                              "per repetition there on CPUs without native 16-bit dot products)")
+    parser.add_argument("--min-reps", type=int, default=1,
+                        help="repetitions of every case at least (cases are otherwise cut to about "
+                             f"{SECONDS_PER_CASE:.0f} s, down to one repetition)")
     own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     return own, rest
 
@@ -198,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             if dtype != torch.float32 and own.no_train_16bit:
                 cases = [(t, train) for t, train in cases if not train]
             for tokens, train in cases:
-                row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps)
+                row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps,
+                                   own.min_reps)
                 rows.append(row)
                 print(format_table([row], COLUMNS), flush=True)
             del block, layer

@@ -158,6 +158,10 @@ def test_matches_transformers_gpt_oss_gate():
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="must be even"):
         gated_unit(torch.randn(2, 7), SWIGLU)
+    with pytest.raises(ValueError, match="limit None or a finite number > 0"):
+        gated_unit(torch.randn(2, 8), GatedUnit(limit=-1.0))
+    with pytest.raises(ValueError, match="alpha and up_offset must be finite"):
+        gated_unit(torch.randn(2, 8), GatedUnit(alpha=float("nan")))
     with pytest.raises(ValueError, match="limit"):
         torch.ops.tutel.gated_unit(torch.randn(2, 8), 1.0, 0.0, -1.0, False)
     with pytest.raises(ValueError, match="finite"):

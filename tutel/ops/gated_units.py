@@ -15,6 +15,7 @@ also fills two [n, 2I] buffers with zeros for its strided halves), which cost a 
 gpt-oss training step at 2048 tokens (benchmarks/transformers_moe.py).  Other devices run the
 composition of PyTorch operators, which is also the reference the tests hold the operator to.
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -22,9 +23,6 @@ import torch.nn.functional as F
 
 from .checks import require_floating
 from .tracing import eager_without_grad
-
-_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 
 class GatedUnit(NamedTuple):
     """The parameters of a gated unit (see the module docstring)."""
@@ -60,12 +58,17 @@ def gated_unit_composite(gate_up: torch.Tensor, unit: GatedUnit) -> torch.Tensor
 def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
     """[..., 2I] gate and up values -> [..., I] hidden values (see the module docstring);
     differentiable in `gate_up`."""
-    require_floating(gate_up, "gate_up", "tutel.ops.gated_units.gated_unit")
-    if gate_up.device.type != "cpu" or gate_up.dtype not in _CPU_DTYPES or gate_up.dim() < 1:
-        return gated_unit_composite(gate_up, unit)
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gated_unit: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
+    where = "tutel.ops.gated_units.gated_unit"
+    require_floating(gate_up, "gate_up", where)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"{where}: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
                          f"(gate and up values)")
+    if not (math.isfinite(unit.alpha) and math.isfinite(unit.up_offset)) or \
+            (unit.limit is not None and not (math.isfinite(unit.limit) and unit.limit > 0)):
+        raise ValueError(f"{where}: {unit} is not allowed: alpha and up_offset must be finite, limit None or a "
+                         f"finite number > 0")
+    if gate_up.device.type != "cpu":
+        return gated_unit_composite(gate_up, unit)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     args = (float(unit.alpha), float(unit.up_offset), None if unit.limit is None else float(unit.limit),
             bool(unit.interleaved))

@@ -105,10 +105,11 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
             # 2-D x 2-D grouped product: one [K, O] (or [O, K]) block per expert, zero for idle ones.
             grad_weight = F.grouped_mm(rows.t(), grad, offs=offsets) if transposed \
                 else F.grouped_mm(grad.t(), rows, offs=offsets)
-        if need_bias:  # per-expert sums of the gradient rows; the rows past the last group go to row E
+        if need_bias:  # per-expert sums of the gradient rows in float32 (rows past the last group: row E)
             experts = offsets.shape[0]
-            grad_bias = grad.new_zeros((experts + 1, grad.shape[1])).index_add_(
-                0, _expert_of_rows(offsets, grad.shape[0]), grad)[:experts]
+            sums = grad.new_zeros((experts + 1, grad.shape[1]), dtype=torch.float32)
+            sums.index_add_(0, _expert_of_rows(offsets, grad.shape[0]), grad.float())
+            grad_bias = sums[:experts].to(grad.dtype)
         return None if grad_rows is None else _zero_tail(grad_rows, offsets), grad_weight, grad_bias
     counts = _counts(offsets)
     kept = sum(counts)

@@ -143,3 +143,21 @@ def test_on_cuda_against_float64_on_the_cpu(case, dtype):
     _close(got_out.cpu(), want_out, tolerance, "output")
     for name, grad in want_grads.items():
         _close(got_grads[name].cpu(), grad, tolerance, f"d {name}")
+
+
+def test_gpt_oss_gate_runs_as_the_fused_unit_and_an_override_is_called_as_is():
+    """transformers' own GptOssExperts._apply_gate is named as a GatedUnit (the fused kernel, with
+    the module's alpha and limit); a subclass that overrides it keeps its own gate function."""
+    from tutel.integrations.transformers.layout import read_layout
+    from tutel.ops.gated_units import GatedUnit
+    _, ours = make_pair("gpt_oss")
+    layout = read_layout(ours)
+    assert layout.gate == GatedUnit(ours.alpha, 1.0, 1.5, interleaved=True)
+
+    class Overridden(type(ours)):
+        def _apply_gate(self, gate_up):
+            return super()._apply_gate(gate_up) * 2
+
+    ours.__class__ = Overridden
+    layout = read_layout(ours)
+    assert layout.gate is None and layout.gate_fn.__func__ is Overridden._apply_gate
