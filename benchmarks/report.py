@@ -371,22 +371,26 @@ tutel is faster.
 
 What limits tutel here, as measured (docs/design.md, "Routed experts" and "Skinny products"): at a
 few rows per expert (decoding, T <= 128 with top-8 of 64) the expert products are tutel's skinny
-products, which stream each active expert's weights once (bf16 widened in registers) where
-PyTorch's GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below
-the machine's bandwidth (table "Grouped expert products" below), with a non-temporal prefetch so
-that the streamed weights do not evict everything else the step uses; what remains at T = 1 is the
-fixed cost of a dozen operator calls around them.  `moe_layer` in inference runs the same pieces
-and products (no autograd, no grouped buffer) and adds its routing and auxiliary loss, about 25
-small operations at T = 1.  At T >= 2048 both sides run PyTorch's GEMM per
-expert, which takes nearly 90% of either side's time (profiled, fp32 gpt-oss at T = 2048), so
-tutel matches the eager loop rather than beating it: it saves what surrounds the GEMMs (one fused
-gate+up product, routing in one counting pass; in inference the rows go through the experts in
-~8 MiB pieces gathered from the tokens and added back, so no buffer spans all T*k rows and the
-intermediates stay cached, as the eager loop's per-expert ones do).  On a CPU without native bf16
-dot products tutel runs 16-bit GEMMs in float32 once experts average 32 rows, which transformers'
-backends do not.  The
-bf16 compute limit uses the bf16 GEMM rate, as defined; where that rate is far below float32's
-(no native bf16), a bf16 *tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
+products, which stream each active expert's weights once (bf16 widened in registers) where PyTorch's
+GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below the
+machine's bandwidth (table "Grouped expert products" below), with a non-temporal prefetch so that
+the streamed weights do not evict everything else the step uses; what remains at T = 1 is the fixed
+cost of a dozen operator calls around them. `moe_layer` in inference runs the same pieces and
+products (no autograd, no grouped buffer) and adds its routing and auxiliary loss, about 25 small
+operations at T = 1 that run with cold caches after the weights streamed through them: timed inside
+one Qwen3-like call after a 256 MiB read (Zen 3), routing 0.76 ms (gate 0.12, top-k 0.12, GShard
+loss 0.16, capacity and checks the rest) and 0.8 ms for the rest of the call (argument checks, the
+experts' weights, plan), against 2.5 ms for the products with their dispatch and combine. At T >=
+2048 both sides run PyTorch's GEMM per expert, which takes nearly 90% of either side's time
+(profiled, fp32 gpt-oss at T = 2048), so tutel matches the eager loop rather than beating it: it
+saves what surrounds the GEMMs (one fused gate+up product, the gated unit in one pass forward and
+one backward where PyTorch's composition makes 5 to 12, the biases inside the products, routing in
+one counting pass; in inference the rows go through the experts in ~8 MiB pieces gathered from the
+tokens and added back, so no buffer spans all T*k rows and the intermediates stay cached, as the
+eager loop's per-expert ones do). On a CPU without native bf16 dot products tutel runs 16-bit GEMMs
+in float32 once experts average 32 rows, which transformers' backends do not. The bf16 compute limit
+uses the bf16 GEMM rate, as defined; where that rate is far below float32's (no native bf16), a bf16
+*tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
 
 
 GROUPED_GEMM_INTRO = """`benchmarks/grouped_gemm.py` times the experts' grouped product alone: one gate+up projection of
