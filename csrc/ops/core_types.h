@@ -30,6 +30,13 @@ inline core_t<T>* core_ptr(const at::Tensor& t) {
   return reinterpret_cast<core_t<T>*>(t.data_ptr<T>());
 }
 
+// A 2-D tensor as rows the core kernels read through a row stride: itself when its elements are
+// contiguous within each row and rows do not overlap (a row-strided view, such as one half of a
+// fused gate+up product, is read in place), else a contiguous copy.
+inline at::Tensor rows_with_unit_stride(const at::Tensor& t) {
+  return t.stride(1) == 1 && t.stride(0) >= t.size(1) ? t : t.contiguous();
+}
+
 // The dtype in which weights and dot products of data of type `dtype` live.
 inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;

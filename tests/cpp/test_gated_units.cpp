@@ -8,8 +8,11 @@
 #include <vector>
 
 #include "core/gated_units.h"
+#include "storage_values.h"
 
 using namespace tutel::core;
+using tutel_test::unit_rounding;
+using tutel_test::value;
 
 namespace {
 
@@ -18,16 +21,6 @@ const GatedUnit kUnits[] = {{1.0, 0.0, false, 0.0, false},   // SwiGLU
                             {1.702, 1.0, true, 7.0, true},   // gpt-oss
                             {1.702, 1.0, true, 7.0, false},  // clamped, concatenated
                             {0.5, -2.0, false, 0.0, true}};  // offset, interleaved, no clamp
-
-double unit_rounding(float) { return std::ldexp(1.0, -24); }
-double unit_rounding(double) { return std::ldexp(1.0, -53); }
-double unit_rounding(bfloat16) { return std::ldexp(1.0, -8); }
-double unit_rounding(float16) { return std::ldexp(1.0, -11); }
-
-template <class T>
-double value(T v) {
-  return double(Scalar<T>::load(v));
-}
 
 struct Expected {
   double h, dg, du, h_scale, dg_scale, du_scale;

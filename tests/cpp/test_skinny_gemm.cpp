@@ -8,8 +8,11 @@
 #include <vector>
 
 #include "core/skinny_gemm.h"
+#include "storage_values.h"
 
 using namespace tutel::core;
+using tutel_test::unit_rounding;
+using tutel_test::value;
 
 namespace {
 
@@ -20,16 +23,6 @@ struct Case {
 const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
                        {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600},
                        {1, 70, 600}, {2, 9, 300}};
-
-double unit_rounding(float) { return std::ldexp(1.0, -24); }
-double unit_rounding(double) { return std::ldexp(1.0, -53); }
-double unit_rounding(bfloat16) { return std::ldexp(1.0, -8); }
-double unit_rounding(float16) { return std::ldexp(1.0, -11); }
-
-template <class T>
-double value(T v) {
-  return double(Scalar<T>::load(v));
-}
 
 template <class T>
 void check_kernel(SkinnyKernel<T> kernel, WeightLayout layout, const Case& c, bool with_bias, std::mt19937& rng) {

@@ -23,13 +23,13 @@ core::GatedUnit make_unit(double alpha, double up_offset, const c10::optional<do
   return core::GatedUnit{alpha, up_offset, limit.has_value(), limit.value_or(0), interleaved};
 }
 
-// [n, 2I] with unit column stride (rows may be a row-strided view).
+// gate_up checked: [n, 2I] floating point, as rows the kernels read (rows_with_unit_stride).
 at::Tensor gate_up_rows(const at::Tensor& gate_up, const char* op) {
   check_dim(gate_up, 2, op, "gate_up");
   check_floating(gate_up, op, "gate_up");
   TORCH_CHECK_VALUE(gate_up.size(1) % 2 == 0, "tutel::", op, ": `gate_up` must have an even number of columns ",
                     "(gate and up values), got ", gate_up.size(1));
-  return gate_up.stride(1) == 1 && gate_up.stride(0) >= gate_up.size(1) ? gate_up : gate_up.contiguous();
+  return rows_with_unit_stride(gate_up);
 }
 
 template <class T>
@@ -62,8 +62,7 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
   TORCH_CHECK_VALUE(grad_in.dim() == 2 && grad_in.size(0) == gate_up.size(0) && grad_in.size(1) == gate_up.size(1) / 2,
                     "tutel::", op, ": `grad` must have shape [", gate_up.size(0), ", ", gate_up.size(1) / 2,
                     "], got ", grad_in.sizes());
-  const at::Tensor grad = grad_in.stride(1) == 1 && grad_in.stride(0) >= grad_in.size(1) ? grad_in
-                                                                                         : grad_in.contiguous();
+  const at::Tensor grad = rows_with_unit_stride(grad_in);
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1)}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit_backward", [&] {
     core::gated_backward(unit, rows_of<scalar_t>(gate_up, grad, out));

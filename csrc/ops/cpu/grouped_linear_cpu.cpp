@@ -112,8 +112,7 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
                               at::IntArrayRef group_rows, bool weight_transposed) {
   const char* op = "grouped_linear";
   check_operands(x_in, weight, weight_transposed, op);
-  // Rows with a stride (the gate half of a fused gate+up product) are read in place.
-  const at::Tensor x = x_in.stride(1) == 1 && x_in.stride(0) >= x_in.size(1) ? x_in : x_in.contiguous();
+  const at::Tensor x = rows_with_unit_stride(x_in);
   const int64_t groups = weight.size(0);
   const int64_t outputs = weight_transposed ? weight.size(1) : weight.size(2);
   if (bias.has_value()) {
