@@ -5,14 +5,19 @@
 //
 // Groups of a few rows (decoding, small batches over many experts) run tutel's
 // skinny products, which read each expert's matrix once (core/skinny_gemm.h);
-// larger groups run PyTorch's GEMM.
+// larger groups run PyTorch's GEMM, one single-threaded product per thread
+// (core/work_balance.h says why).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
 #include "../../core/skinny_gemm.h"
+#include "../../core/work_balance.h"
 #include "../checks.h"
 #include "../core_types.h"
 
@@ -77,6 +82,69 @@ std::vector<bool> run_skinny_groups(const at::Tensor& rows, const at::Tensor& ma
   return done;
 }
 
+// One GEMM of the grouped product: out = left @ right (+ bias), all views into the
+// caller's tensors.  `cost` is its multiply-adds.
+struct ProductPiece {
+  at::Tensor out, left, right, bias;
+  double cost;
+};
+
+// Pieces shorter than this along the dimension they are cut in lose more to packing
+// the other operand than balancing wins back.
+constexpr int64_t kMinPieceExtent = 64;
+
+// Adds out = left @ right (+ bias) to `pieces`, cut along dim 0 of `out` and `left` into
+// pieces of at most `max_cost` multiply-adds when that leaves each at least
+// kMinPieceExtent long.  (For a weight gradient `left` is a transposed view of the
+// rows, so its dim 0 is a feature dimension and the cut needs no sum of partial products.)
+void add_product(std::vector<ProductPiece>& pieces, const at::Tensor& out, const at::Tensor& left,
+                 const at::Tensor& right, const at::Tensor& bias, double max_cost) {
+  const int64_t extent = out.size(0);
+  const double cost = double(left.size(0)) * double(left.size(1)) * double(right.size(1));
+  const int64_t count = core::pieces_to_cut(cost, max_cost, extent, kMinPieceExtent);
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t begin = extent * p / count, length = extent * (p + 1) / count - begin;
+    pieces.push_back({out.narrow(0, begin, length), left.narrow(0, begin, length), right, bias,
+                      cost * double(length) / double(extent)});
+  }
+}
+
+// Runs every piece: with several threads, each piece as one single-threaded GEMM and the
+// pieces spread over the threads by cost; else one after another (each GEMM threaded).
+void run_pieces(const std::vector<ProductPiece>& pieces) {
+  auto run = [&](const ProductPiece& piece) {
+    at::Tensor out = piece.out;
+    if (piece.bias.defined()) {
+      at::addmm_out(out, piece.bias, piece.left, piece.right);
+    } else {
+      at::mm_out(out, piece.left, piece.right);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(pieces.size()));
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (const ProductPiece& piece : pieces) run(piece);
+    return;
+  }
+  std::vector<double> costs;
+  costs.reserve(pieces.size());
+  for (const ProductPiece& piece : pieces) costs.push_back(piece.cost);
+  const std::vector<std::vector<int64_t>> lists = core::balance_work(costs, threads);
+  // Grain 1 over the workers: each list runs on its own thread, and the GEMMs inside a
+  // parallel region run single-threaded.  The pool's threads take this thread's dispatch
+  // state (below autograd), or the out= products would refuse tensors that need grad.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    for (int64_t worker = first; worker < last; ++worker) {
+      for (int64_t item : lists[worker]) run(pieces[item]);
+    }
+  });
+}
+
+// The largest piece worth keeping whole when `total` multiply-adds are spread over the
+// threads: a quarter of one thread's share, so the longest-first spread stays even.
+double max_piece_cost(double total) { return total / double(4 * std::max(1, at::get_num_threads())); }
+
 // How a product reads weight[g]: rows @ W^T for [O, K] matrices, rows @ W for [K, O].
 core::WeightLayout layout_of(bool outputs_by_inner) {
   return outputs_by_inner ? core::WeightLayout::kOutputsByInner : core::WeightLayout::kInnerByOutputs;
@@ -124,17 +192,16 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
   // weight_transposed: weight[g] is [O, K] and the rows are multiplied by its transpose.
   const std::vector<bool> done = run_skinny_groups(x, weight, bias, out, offsets, layout_of(weight_transposed));
+  const double max_cost = max_piece_cost(double(x.size(0)) * double(x.size(1)) * double(outputs));
+  std::vector<ProductPiece> pieces;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     if (count == 0 || done[g]) continue;
-    at::Tensor rows_out = out.narrow(0, offsets[g], count);
-    const at::Tensor rows_in = x.narrow(0, offsets[g], count);
-    if (bias.has_value()) {
-      at::addmm_out(rows_out, bias->select(0, g), rows_in, right_factor(weight, g, weight_transposed));
-    } else {
-      at::mm_out(rows_out, rows_in, right_factor(weight, g, weight_transposed));
-    }
+    add_product(pieces, out.narrow(0, offsets[g], count), x.narrow(0, offsets[g], count),
+                right_factor(weight, g, weight_transposed), bias.has_value() ? bias->select(0, g) : at::Tensor(),
+                max_cost);
   }
+  run_pieces(pieces);
   return out;
 }
 
@@ -159,15 +226,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
   const std::vector<bool> skinny_grad_x =
       output_mask[0] ? run_skinny_groups(grad, weight, c10::nullopt, grad_x, offsets, layout_of(!weight_transposed))
                      : std::vector<bool>(groups, false);
+  // Both gradients' products, spread over the threads together.
+  const double max_cost =
+      max_piece_cost(double(x.size(0)) * double(x.size(1)) * double(outputs) * (output_mask[0] + output_mask[1]));
+  std::vector<ProductPiece> pieces;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     const at::Tensor rows_grad = grad.narrow(0, offsets[g], count);
     const at::Tensor rows_in = x.narrow(0, offsets[g], count);
+    const at::Tensor w = weight.select(0, g);
     if (count > 0 && output_mask[0] && !skinny_grad_x[g]) {
       // d x = d y @ W^T, with W = weight[g] or weight[g]^T.
-      at::Tensor w = weight.select(0, g);
-      at::Tensor rows_grad_x = grad_x.narrow(0, offsets[g], count);
-      at::mm_out(rows_grad_x, rows_grad, weight_transposed ? w : w.t());
+      add_product(pieces, grad_x.narrow(0, offsets[g], count), rows_grad, weight_transposed ? w : w.t(), at::Tensor(),
+                  max_cost);
     }
     if (output_mask[1]) {
       // d W has weight[g]'s layout: [K, O] = x^T dy, or [O, K] = dy^T x.  A group
@@ -176,9 +247,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
       if (count == 0) {
         dw.zero_();
       } else if (weight_transposed) {
-        at::mm_out(dw, rows_grad.t(), rows_in);
+        add_product(pieces, dw, rows_grad.t(), rows_in, at::Tensor(), max_cost);
       } else {
-        at::mm_out(dw, rows_in.t(), rows_grad);
+        add_product(pieces, dw, rows_in.t(), rows_grad, at::Tensor(), max_cost);
       }
     }
     if (output_mask[2]) {
@@ -190,6 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
       }
     }
   }
+  run_pieces(pieces);
   return {grad_x, grad_weight, grad_bias};
 }
 
