@@ -2,6 +2,12 @@
 // registrations of every ops/ file linked into it.
 #include <torch/extension.h>
 
+namespace tutel {
+namespace ops {
+void register_buffer_functions(pybind11::module_& m);  // ops/cpu/reusable_buffers.cpp
+}  // namespace ops
+}  // namespace tutel
+
 #ifdef TUTEL_WITH_CUDA
 namespace tutel {
 namespace ops {
@@ -14,6 +20,7 @@ void register_python_functions(pybind11::module_& m);  // ops/cuda/python_functi
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tutel compiled operators (registered under torch.ops.tutel)";
+  tutel::ops::register_buffer_functions(m);
 #ifdef TUTEL_WITH_CUDA
   m.attr("with_cuda") = true;
   tutel::ops::cuda_ops::register_python_functions(m);

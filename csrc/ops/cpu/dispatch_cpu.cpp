@@ -9,6 +9,7 @@
 #include "../../core/dispatch.h"
 #include "../core_types.h"
 #include "../op_args.h"
+#include "reusable_buffers.h"
 
 namespace tutel {
 namespace ops {
@@ -57,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> gather_slots_cpu(const at::Tensor& rows,
                                                     const c10::optional<at::Tensor>& weights,
                                                     const c10::optional<at::Tensor>& other) {
   const SlotArgs a = gather_slots_args(rows, indices, locations, weights, other);
-  at::Tensor out = at::empty({a.tokens, a.model_dim}, a.data.options());
+  at::Tensor out = empty_reusable({a.tokens, a.model_dim}, a.data.options());
   return run_slots(a, out, "gather_slots", [](auto... args) { return core::gather_slots(args...); });
 }
 
@@ -66,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> scatter_slots_cpu(
     const c10::optional<at::Tensor>& weights, const c10::optional<at::Tensor>& other,
     int64_t experts, int64_t capacity) {
   const SlotArgs a = scatter_slots_args(src, indices, locations, weights, other, experts, capacity);
-  at::Tensor out = at::empty({a.experts, a.capacity, a.model_dim}, a.data.options());
+  at::Tensor out = empty_reusable({a.experts, a.capacity, a.model_dim}, a.data.options());
   return run_slots(a, out, "scatter_slots", [](auto... args) { return core::scatter_slots(args...); });
 }
 

@@ -8,6 +8,7 @@
 #include "../../core/gated_units.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "reusable_buffers.h"
 
 namespace tutel {
 namespace ops {
@@ -45,7 +46,7 @@ at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_
   const char* op = "gated_unit";
   const core::GatedUnit unit = make_unit(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = gate_up_rows(gate_up_in, op);
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit", [&] {
     core::gated_forward(unit, rows_of<scalar_t>(gate_up, at::Tensor(), out));
   });
@@ -63,7 +64,7 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
                     "tutel::", op, ": `grad` must have shape [", gate_up.size(0), ", ", gate_up.size(1) / 2,
                     "], got ", grad_in.sizes());
   const at::Tensor grad = rows_with_unit_stride(grad_in);
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1)}, gate_up.options());
+  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1)}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit_backward", [&] {
     core::gated_backward(unit, rows_of<scalar_t>(gate_up, grad, out));
   });

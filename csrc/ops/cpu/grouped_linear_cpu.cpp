@@ -20,6 +20,7 @@
 #include "../../core/work_balance.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "reusable_buffers.h"
 
 namespace tutel {
 namespace ops {
@@ -189,7 +190,7 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
                       ": `bias` must have shape [", groups, ", ", outputs, "], got ", bias->sizes());
   }
   const std::vector<int64_t> offsets = group_offsets(group_rows, groups, x.size(0), op);
-  at::Tensor out = at::empty({x.size(0), outputs}, x.options());
+  at::Tensor out = empty_reusable({x.size(0), outputs}, x.options());
   // weight_transposed: weight[g] is [O, K] and the rows are multiplied by its transpose.
   const std::vector<bool> done = run_skinny_groups(x, weight, bias, out, offsets, layout_of(weight_transposed));
   const double max_cost = max_piece_cost(double(x.size(0)) * double(x.size(1)) * double(outputs));
@@ -219,8 +220,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
   const std::vector<int64_t> offsets = group_offsets(group_rows, groups, x.size(0), op);
 
   // Gradients not asked for come back as empty tensors.
-  at::Tensor grad_x = at::empty({output_mask[0] ? x.size(0) : 0, x.size(1)}, x.options());
-  at::Tensor grad_weight = output_mask[1] ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, x.options());
+  at::Tensor grad_x = empty_reusable({output_mask[0] ? x.size(0) : 0, x.size(1)}, x.options());
+  at::Tensor grad_weight = output_mask[1] ? empty_reusable(weight.sizes(), weight.options()) : at::empty({0}, x.options());
   at::Tensor grad_bias = at::empty({output_mask[2] ? groups : 0, outputs}, x.options());
   // d x = d y @ W^T reads weight[g] the other way round from the forward product.
   const std::vector<bool> skinny_grad_x =
