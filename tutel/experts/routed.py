@@ -124,12 +124,13 @@ class _ExpertsCall(NamedTuple):
 
 # Without autograd on CPU the grouped rows go through the experts in pieces whose up projection
 # takes about this many bytes, each gathered from the tokens and added back into the result on
-# its own: no buffer spans all T*k rows, and the intermediates stay near the caches and below
-# glibc's mmap threshold, so they are reused instead of being fresh pages the OS zeroes on every
-# call (transformers' per-expert loop gets the same for free).  A piece cuts at most one
-# expert's rows in two, so at least _MIN_PIECE_ROWS keep the GEMMs large.
-_PIECE_BYTES = 8 << 20
-_MIN_PIECE_ROWS = 512
+# its own: no buffer spans all T*k rows, so memory stays bounded at any T (the operators'
+# buffers come from tutel's block cache, so reusing them costs no page faults).  Pieces of at
+# least _MIN_PIECE_ROWS rows leave each expert a few hundred rows per piece: with 8 MiB / 512-row
+# pieces the per-expert GEMMs were small enough to cost 1.1-1.4x at T=2048..8192 (fp32, 2-core
+# Zen 3, docs/performance.md's blocks).
+_PIECE_BYTES = 64 << 20
+_MIN_PIECE_ROWS = 4096
 
 
 def piece_rows(row_bytes: int) -> int:
