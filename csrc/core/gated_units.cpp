@@ -10,11 +10,8 @@ namespace tutel {
 namespace core {
 namespace {
 
-// Column of row r's gate (and up) value i.
-inline int64_t gate_column(const GatedUnit& unit, int64_t i) { return unit.interleaved ? 2 * i : i; }
-inline int64_t up_column(const GatedUnit& unit, int64_t width, int64_t i) {
-  return unit.interleaved ? 2 * i + 1 : width + i;
-}
+// Distance between a row's consecutive gate (and up) values.
+inline int64_t step_of(const GatedUnit& unit) { return unit.interleaved ? 2 : 1; }
 
 // min(g, limit) and clamp(u, -limit, limit), NaN staying NaN as in torch.clamp.
 template <class A>
@@ -34,11 +31,13 @@ inline A clamp_up(const GatedUnit& unit, A u) {
 template <class T>
 void portable_forward_units(const GatedUnit& unit, const GatedRows<T>& p, int64_t row, int64_t unit_begin) {
   using A = acc_t<T>;
-  const T* in = p.gate_up + row * p.gate_up_stride;
+  const int64_t step = step_of(unit);
+  const T* gate = p.gate + row * p.gate_stride;
+  const T* up = p.up + row * p.up_stride;
   T* out = p.out + row * p.out_stride;
   for (int64_t i = unit_begin; i < p.width; ++i) {
-    const A g = clamp_gate(unit, Scalar<T>::load(in[gate_column(unit, i)]));
-    const A u = clamp_up(unit, Scalar<T>::load(in[up_column(unit, p.width, i)]));
+    const A g = clamp_gate(unit, Scalar<T>::load(gate[step * i]));
+    const A u = clamp_up(unit, Scalar<T>::load(up[step * i]));
     const A s = A(1) / (A(1) + std::exp(-A(unit.alpha) * g));
     out[i] = Scalar<T>::store((u + A(unit.up_offset)) * (g * s));
   }
@@ -48,12 +47,15 @@ template <class T>
 void portable_backward_units(const GatedUnit& unit, const GatedRows<T>& p, int64_t row, int64_t unit_begin) {
   using A = acc_t<T>;
   const A limit = A(unit.limit), alpha = A(unit.alpha);
-  const T* in = p.gate_up + row * p.gate_up_stride;
+  const int64_t step = step_of(unit);
+  const T* gate = p.gate + row * p.gate_stride;
+  const T* up = p.up + row * p.up_stride;
   const T* grad = p.grad + row * p.grad_stride;
-  T* out = p.out + row * p.out_stride;
+  T* out_gate = p.out + row * p.out_stride;
+  T* out_up = p.out_up + row * p.out_up_stride;
   for (int64_t i = unit_begin; i < p.width; ++i) {
-    const A g_in = Scalar<T>::load(in[gate_column(unit, i)]);
-    const A u_in = Scalar<T>::load(in[up_column(unit, p.width, i)]);
+    const A g_in = Scalar<T>::load(gate[step * i]);
+    const A u_in = Scalar<T>::load(up[step * i]);
     const A g = clamp_gate(unit, g_in), u = clamp_up(unit, u_in);
     const A dh = Scalar<T>::load(grad[i]);
     const A s = A(1) / (A(1) + std::exp(-alpha * g));
@@ -61,8 +63,8 @@ void portable_backward_units(const GatedUnit& unit, const GatedRows<T>& p, int64
     const bool up_passes = !unit.clamped || (u_in >= -limit && u_in <= limit);
     const A dg = gate_passes ? dh * (u + A(unit.up_offset)) * (s * (A(1) + alpha * g * (A(1) - s))) : A(0);
     const A du = up_passes ? dh * (g * s) : A(0);
-    out[gate_column(unit, i)] = Scalar<T>::store(dg);
-    out[up_column(unit, p.width, i)] = Scalar<T>::store(du);
+    out_gate[step * i] = Scalar<T>::store(dg);
+    out_up[step * i] = Scalar<T>::store(du);
   }
 }
 

@@ -3,7 +3,8 @@
 //
 // Row r of the up projection holds 2I values; with `interleaved` the gate and up values
 // alternate (g0, u0, g1, u1, ...: gpt-oss), otherwise the first I are the gates and the last I
-// the ups (LLaMA, Mixtral, Qwen, DeepSeek).  With g' = min(g, limit), u' = clamp(u, -limit,
+// the ups (LLaMA, Mixtral, Qwen, DeepSeek), or gates and ups are two tensors (Tutel's
+// llama_ffn, whose W_fc1 and W_fc2 are separate products).  With g' = min(g, limit), u' = clamp(u, -limit,
 // limit) when the unit is `clamped` (g' = g, u' = u otherwise) and s = sigmoid(alpha * g'):
 //
 //     h    = (u' + up_offset) * g' * s
@@ -36,17 +37,36 @@ struct GatedUnit {  // in double, so that float64 data keeps every digit; float 
   bool interleaved;
 };
 
+// The operands of a pass.  Gates and ups lie in one [rows, 2I] tensor (gate_up: `up` points
+// I values into each row, or, interleaved, one value in) or in two [rows, I] tensors.
 template <class T>
 struct GatedRows {
-  const T* gate_up;  // rows x 2I, row stride gate_up_stride
-  int64_t gate_up_stride;
+  const T* gate;  // row r's gate i at gate[r * gate_stride + step * i] (step 2 when interleaved)
+  int64_t gate_stride;
+  const T* up;  // row r's up i at up[r * up_stride + step * i]
+  int64_t up_stride;
   const T* grad;  // backward: d h, rows x I, row stride grad_stride
   int64_t grad_stride;
-  T* out;  // forward: h (rows x I); backward: d gate_up (rows x 2I, the gate_up layout)
+  T* out;  // forward: h (rows x I); backward: d gate, laid out like the gates
   int64_t out_stride;
+  T* out_up;  // backward: d up, laid out like the ups
+  int64_t out_up_stride;
   int64_t rows;
   int64_t width;  // I
 };
+
+// The operands when gates and ups share one [rows, 2I] tensor (and the backward's d gate_up
+// has that layout too); `grad` and `d_gate_up` may be null for the forward, `h` for the backward.
+template <class T>
+GatedRows<T> concatenated_gate_up(bool interleaved, const T* gate_up, int64_t gate_up_stride, const T* grad,
+                          int64_t grad_stride, T* h, int64_t h_stride, T* d_gate_up, int64_t d_stride, int64_t rows,
+                          int64_t width) {
+  const int64_t up_shift = interleaved ? 1 : width;
+  T* out = d_gate_up ? d_gate_up : h;
+  return GatedRows<T>{gate_up, gate_up_stride, gate_up + up_shift, gate_up_stride, grad, grad_stride,
+                      out, d_gate_up ? d_stride : h_stride, d_gate_up ? d_gate_up + up_shift : nullptr, d_stride,
+                      rows, width};
+}
 
 // Processes rows [row_begin, row_end).
 template <class T>

@@ -41,34 +41,35 @@ TUTEL_AVX2_FMA inline __m256 exp_lanes(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-// The gates and ups of units i .. i + 7 of one row.
+// The gates and ups of units i .. i + 7 of one row (interleaved: both from the gate row).
 template <class T>
-TUTEL_AVX2_FMA inline void load_units(const GatedUnit& unit, const T* row, int64_t width, int64_t i, __m256* g,
+TUTEL_AVX2_FMA inline void load_units(const GatedUnit& unit, const T* gate, const T* up, int64_t i, __m256* g,
                                       __m256* u) {
   if (!unit.interleaved) {
-    *g = Lanes<T>::load(row + i);
-    *u = Lanes<T>::load(row + width + i);
+    *g = Lanes<T>::load(gate + i);
+    *u = Lanes<T>::load(up + i);
     return;
   }
-  const __m256 a = Lanes<T>::load(row + 2 * i);      // g0 u0 g1 u1 | g2 u2 g3 u3
-  const __m256 b = Lanes<T>::load(row + 2 * i + 8);  // g4 u4 g5 u5 | g6 u6 g7 u7
+  const __m256 a = Lanes<T>::load(gate + 2 * i);      // g0 u0 g1 u1 | g2 u2 g3 u3
+  const __m256 b = Lanes<T>::load(gate + 2 * i + 8);  // g4 u4 g5 u5 | g6 u6 g7 u7
   // Within 128-bit lanes: g0 g1 g4 g5 | g2 g3 g6 g7, then the 64-bit quarters put in order.
   *g = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
   *u = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
 }
 
-// Stores d g and d u of units i .. i + 7 in the gate_up layout.
+// Stores d g and d u of units i .. i + 7 in the gates' and ups' layout (interleaved: both
+// into the gate row).
 template <class T>
-TUTEL_AVX2_FMA inline void store_units(const GatedUnit& unit, T* row, int64_t width, int64_t i, __m256 g, __m256 u) {
+TUTEL_AVX2_FMA inline void store_units(const GatedUnit& unit, T* gate, T* up, int64_t i, __m256 g, __m256 u) {
   if (!unit.interleaved) {
-    Lanes<T>::store(row + i, g);
-    Lanes<T>::store(row + width + i, u);
+    Lanes<T>::store(gate + i, g);
+    Lanes<T>::store(up + i, u);
     return;
   }
   const __m256 low = _mm256_unpacklo_ps(g, u);   // g0 u0 g1 u1 | g4 u4 g5 u5
   const __m256 high = _mm256_unpackhi_ps(g, u);  // g2 u2 g3 u3 | g6 u6 g7 u7
-  Lanes<T>::store(row + 2 * i, _mm256_permute2f128_ps(low, high, 0x20));
-  Lanes<T>::store(row + 2 * i + 8, _mm256_permute2f128_ps(low, high, 0x31));
+  Lanes<T>::store(gate + 2 * i, _mm256_permute2f128_ps(low, high, 0x20));
+  Lanes<T>::store(gate + 2 * i + 8, _mm256_permute2f128_ps(low, high, 0x31));
 }
 
 TUTEL_AVX2_FMA inline __m256 sigmoid_of(__m256 alpha, __m256 g) {
@@ -83,11 +84,12 @@ TUTEL_AVX2_FMA void avx2_forward(const GatedUnit& unit, const GatedRows<T>& p, i
   const __m256 limit = _mm256_set1_ps(float(unit.limit)), neg_limit = _mm256_set1_ps(-float(unit.limit));
   const int64_t vector_end = p.width / 8 * 8;
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const T* in = p.gate_up + r * p.gate_up_stride;
+    const T* gate = p.gate + r * p.gate_stride;
+    const T* up = p.up + r * p.up_stride;
     T* out = p.out + r * p.out_stride;
     for (int64_t i = 0; i < vector_end; i += 8) {
       __m256 g, u;
-      load_units(unit, in, p.width, i, &g, &u);
+      load_units(unit, gate, up, i, &g, &u);
       if (unit.clamped) {  // operand order keeps NaN, as torch.clamp does
         g = _mm256_min_ps(limit, g);
         u = _mm256_max_ps(neg_limit, _mm256_min_ps(limit, u));
@@ -106,12 +108,14 @@ TUTEL_AVX2_FMA void avx2_backward(const GatedUnit& unit, const GatedRows<T>& p, 
   const __m256 one = _mm256_set1_ps(1.0f);
   const int64_t vector_end = p.width / 8 * 8;
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const T* in = p.gate_up + r * p.gate_up_stride;
+    const T* gate = p.gate + r * p.gate_stride;
+    const T* up = p.up + r * p.up_stride;
     const T* grad = p.grad + r * p.grad_stride;
-    T* out = p.out + r * p.out_stride;
+    T* out_gate = p.out + r * p.out_stride;
+    T* out_up = p.out_up + r * p.out_up_stride;
     for (int64_t i = 0; i < vector_end; i += 8) {
       __m256 g, u;
-      load_units(unit, in, p.width, i, &g, &u);
+      load_units(unit, gate, up, i, &g, &u);
       __m256 gate_passes = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), up_passes = gate_passes;
       if (unit.clamped) {  // ordered comparisons: NaN passes no gradient, as in torch.clamp's backward
         gate_passes = _mm256_cmp_ps(g, limit, _CMP_LE_OQ);
@@ -125,7 +129,7 @@ TUTEL_AVX2_FMA void avx2_backward(const GatedUnit& unit, const GatedRows<T>& p, 
       const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(_mm256_mul_ps(alpha, g), _mm256_sub_ps(one, s), one));
       const __m256 dg = _mm256_mul_ps(_mm256_mul_ps(dh, _mm256_add_ps(u, offset)), slope);
       const __m256 du = _mm256_mul_ps(dh, _mm256_mul_ps(g, s));
-      store_units(unit, out, p.width, i, _mm256_and_ps(dg, gate_passes), _mm256_and_ps(du, up_passes));
+      store_units(unit, out_gate, out_up, i, _mm256_and_ps(dg, gate_passes), _mm256_and_ps(du, up_passes));
     }
     if (vector_end < p.width) portable_backward_units(unit, p, r, vector_end);
   }

@@ -53,4 +53,10 @@ TORCH_LIBRARY(tutel, m) {
   m.def(
       "gated_unit_backward(Tensor grad, Tensor gate_up, float alpha, float up_offset, float? limit, "
       "bool interleaved) -> Tensor");
+  // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and
+  // its backward's d gate and d up.  CPU only.
+  m.def("gated_unit_pair(Tensor gate, Tensor up, float alpha, float up_offset, float? limit) -> Tensor");
+  m.def(
+      "gated_unit_pair_backward(Tensor grad, Tensor gate, Tensor up, float alpha, float up_offset, float? limit) "
+      "-> (Tensor grad_gate, Tensor grad_up)");
 }

@@ -1,6 +1,7 @@
 // Gated units: the portable and the AVX2 kernels (when this CPU has them) against double
 // arithmetic, forward and backward, both layouts, clamped or not, every storage type, widths
-// around the 8-unit vector blocks, row strides wider than the rows, and rows split between calls.
+// around the 8-unit vector blocks, row strides wider than the rows, rows split between calls, and
+// gates and ups in one tensor or two.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -63,8 +64,10 @@ void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_
   const T sentinel = Scalar<T>::store(12345.f);
   for (auto& v : h) v = sentinel;
   for (auto& v : d) v = sentinel;
-  GatedRows<T> forward{gate_up.data(), in_stride, nullptr, 0, h.data(), width + 1, rows, width};
-  GatedRows<T> backward{gate_up.data(), in_stride, grad.data(), grad_stride, d.data(), 2 * width + 1, rows, width};
+  const GatedRows<T> forward = concatenated_gate_up<T>(unit.interleaved, gate_up.data(), in_stride, nullptr, 0,
+                                                       h.data(), width + 1, nullptr, 0, rows, width);
+  const GatedRows<T> backward = concatenated_gate_up<T>(unit.interleaved, gate_up.data(), in_stride, grad.data(),
+                                                        grad_stride, nullptr, 0, d.data(), 2 * width + 1, rows, width);
   // Two row ranges, as two threads would take them.
   kernels.forward(unit, forward, 0, 2);
   kernels.forward(unit, forward, 2, rows);
@@ -87,6 +90,45 @@ void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_
   }
 }
 
+// Gates and ups in two tensors of different row strides (llama_ffn's separate products), and
+// the backward's d gate and d up into two more.
+template <class T>
+void check_separate_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_t width, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 5.f);
+  const int64_t rows = 5, gate_stride = width + 3, up_stride = width + 5, grad_stride = width + 2;
+  const int64_t h_stride = width + 1, dg_stride = width + 4, du_stride = width + 1;
+  std::vector<T> gate(rows * gate_stride), up(rows * up_stride), grad(rows * grad_stride), h(rows * h_stride),
+      dg(rows * dg_stride), du(rows * du_stride);
+  for (auto& v : gate) v = Scalar<T>::store(dist(rng));
+  for (auto& v : up) v = Scalar<T>::store(dist(rng));
+  for (auto& v : grad) v = Scalar<T>::store(dist(rng) / 5.f);
+  const T sentinel = Scalar<T>::store(12345.f);
+  for (auto* buffer : {&h, &dg, &du}) {
+    for (auto& v : *buffer) v = sentinel;
+  }
+  const GatedRows<T> forward{gate.data(), gate_stride, up.data(), up_stride, nullptr, 0,
+                             h.data(), h_stride, nullptr, 0, rows, width};
+  const GatedRows<T> backward{gate.data(), gate_stride, up.data(), up_stride, grad.data(), grad_stride,
+                              dg.data(), dg_stride, du.data(), du_stride, rows, width};
+  kernels.forward(unit, forward, 0, 3);
+  kernels.forward(unit, forward, 3, rows);
+  kernels.backward(unit, backward, 0, 1);
+  kernels.backward(unit, backward, 1, rows);
+  const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = width; i < h_stride; ++i) EXPECT_EQ(value(h[r * h_stride + i]), value(sentinel));
+    for (int64_t i = width; i < dg_stride; ++i) EXPECT_EQ(value(dg[r * dg_stride + i]), value(sentinel));
+    for (int64_t i = width; i < du_stride; ++i) EXPECT_EQ(value(du[r * du_stride + i]), value(sentinel));
+    for (int64_t i = 0; i < width; ++i) {
+      const Expected e = expected(unit, value(gate[r * gate_stride + i]), value(up[r * up_stride + i]),
+                                  value(grad[r * grad_stride + i]));
+      EXPECT_NEAR(value(h[r * h_stride + i]), e.h, tolerance * e.h_scale + 1e-30) << "h row " << r << " unit " << i;
+      EXPECT_NEAR(value(dg[r * dg_stride + i]), e.dg, tolerance * e.dg_scale + 1e-30) << "d gate " << r << ", " << i;
+      EXPECT_NEAR(value(du[r * du_stride + i]), e.du, tolerance * e.du_scale + 1e-30) << "d up " << r << ", " << i;
+    }
+  }
+}
+
 template <class T>
 void check_all() {
   std::mt19937 rng(7);
@@ -94,6 +136,10 @@ void check_all() {
     for (int64_t width : kWidths) {
       check_kernels(portable_gated_kernels<T>(), unit, width, rng);
       if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_kernels(*avx2, unit, width, rng);
+      if (!unit.interleaved) {
+        check_separate_kernels(portable_gated_kernels<T>(), unit, width, rng);
+        if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_separate_kernels(*avx2, unit, width, rng);
+      }
     }
   }
 }

@@ -172,3 +172,66 @@ def test_bad_arguments_raise_clear_errors():
         torch.ops.tutel.gated_unit(torch.ones(2, 8, dtype=torch.int32), 1.0, 0.0, None, False)
     with pytest.raises(TypeError, match="gate_up"):
         gated_unit(torch.ones(2, 8, dtype=torch.int32), SWIGLU)
+
+
+PAIR_UNITS = [name for name, unit in UNITS.items() if not unit.interleaved]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("unit_name", PAIR_UNITS)
+@pytest.mark.parametrize("rows,width", [(0, 8), (1, 1), (3, 5), (2, 13), (33, 64), (7, 67)])
+def test_pair_of_tensors_matches_the_float64_reference(dtype, unit_name, rows, width):
+    """gated_unit_pair: gates and ups in two tensors, the gates a view with a wider row stride."""
+    from tutel.ops.gated_units import gated_unit_pair
+    unit = UNITS[unit_name]
+    gate_up = make_gate_up(rows, width, dtype, unit, seed=rows * 101 + width)
+    gate_values, up_values = split(gate_up, False)
+    wide = torch.zeros(rows, width + 9, dtype=dtype)
+    wide[:, 4:4 + width] = gate_values
+    grad = torch.randn(rows, width, generator=torch.Generator().manual_seed(width + 1), dtype=torch.float64).to(dtype)
+    mag_h, mag_dg, mag_du = magnitudes(gate_up, grad, unit)
+    with torch.no_grad():
+        h = gated_unit_pair(wide[:, 4:4 + width], up_values.contiguous(), unit)
+    assert h.dtype == dtype and h.shape == (rows, width)
+    assert_close(h, reference(gate_up, unit), mag_h, dtype, "h without autograd")
+
+    gate = wide[:, 4:4 + width].clone().requires_grad_(True)
+    up = up_values.clone().requires_grad_(True)
+    h = gated_unit_pair(gate, up, unit)
+    assert_close(h.detach(), reference(gate_up, unit), mag_h, dtype, "h with autograd")
+    h.backward(grad)
+    _, want_dg, want_du = reference_grad(gate_up, grad, unit)
+    assert_close(gate.grad, want_dg, mag_dg, dtype, "d gate")
+    assert_close(up.grad, want_du, mag_du, dtype, "d up")
+
+
+def test_pair_keeps_leading_dims_and_passes_opcheck():
+    from tutel.ops.gated_units import _gated_unit_pair, gated_unit_pair
+    gate, up = torch.randn(2, 3, 16, dtype=torch.float64), torch.randn(2, 3, 16, dtype=torch.float64)
+    h = gated_unit_pair(gate.float(), up.float())
+    assert h.shape == (2, 3, 16)
+    want = reference(torch.cat([gate, up], dim=-1).view(6, 32), SWIGLU).view(2, 3, 16)
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(_gated_unit_pair, (torch.randn(5, 9, requires_grad=True), torch.randn(5, 9), 1.0, 0.0, None))
+    torch.library.opcheck(torch.ops.tutel.gated_unit_pair.default, (torch.randn(5, 9), torch.randn(5, 9), 1.7, 1.0, 7.0))
+    torch.library.opcheck(torch.ops.tutel.gated_unit_pair_backward.default,
+                          (torch.randn(5, 9), torch.randn(5, 9), torch.randn(5, 9), 1.0, 0.0, None))
+
+
+def test_pair_bad_arguments_raise_clear_errors():
+    from tutel.ops.gated_units import gated_unit_pair
+    with pytest.raises(ValueError, match="`up` must be a tensor of the shape"):
+        gated_unit_pair(torch.randn(2, 8), torch.randn(2, 7))
+    with pytest.raises(ValueError, match="`up` must be a tensor of the shape"):
+        gated_unit_pair(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="interleaved"):
+        gated_unit_pair(torch.randn(2, 8), torch.randn(2, 8), GPT_OSS)
+    with pytest.raises(ValueError, match="limit None or a finite number > 0"):
+        gated_unit_pair(torch.randn(2, 8), torch.randn(2, 8), GatedUnit(limit=0.0))
+    with pytest.raises(ValueError, match="`up` must have the shape"):
+        torch.ops.tutel.gated_unit_pair(torch.randn(2, 8), torch.randn(3, 8), 1.0, 0.0, None)
+    with pytest.raises(ValueError, match="grad"):
+        torch.ops.tutel.gated_unit_pair_backward(torch.randn(2, 7), torch.randn(2, 8), torch.randn(2, 8), 1.0, 0.0,
+                                                 None)
+    with pytest.raises(TypeError, match="gate"):
+        gated_unit_pair(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 8, dtype=torch.int32))

@@ -37,14 +37,14 @@ def test_cosine_top_gate():
                     gate_reference=cosine_gate_reference)
 
 
-def llama_reference(experts):
+def llama_reference(experts, activation=F.silu):
     names = ["W_fc1", "W_fc2", "W_fc3"]
     copies = [float64_copy(getattr(experts, n)) for n in names]
     shapes = [experts.full_shapes[n] for n in names]
 
     def expert_fn(e, h):
         w1, w2, w3 = (c.view(s)[e] for c, s in zip(copies, shapes))
-        return (F.silu(h @ w1) * (h @ w2)) @ w3
+        return (activation(h @ w1) * (h @ w2)) @ w3
 
     return expert_fn, [(getattr(experts, n), c) for n, c in zip(names, copies)]
 
@@ -56,6 +56,18 @@ def test_llama_ffn_experts():
     assert layer.experts.W_fc1.shape == (3 * 10 * 7,)
     run_and_compare(layer, torch.randn(25, 10, dtype=torch.float64), top_k=2, capacity_factor=0.0,
                     expert_reference=llama_reference)
+
+
+@pytest.mark.parametrize("activation", [F.silu, F.gelu])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_llama_ffn_experts_fused_and_other_activations(activation, capacity_factor):
+    """SiLU runs the fused gated unit over the two products; any other activation runs as given."""
+    torch.manual_seed(3)
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 3, "capacity_factor": capacity_factor}, model_dim=12,
+                          experts={"type": "llama_ffn", "num_experts_per_device": 5, "hidden_size_per_expert": 9,
+                                   "activation_fn": activation}).double()
+    run_and_compare(layer, torch.randn(41, 12, dtype=torch.float64), top_k=3, capacity_factor=capacity_factor,
+                    expert_reference=lambda experts: llama_reference(experts, activation))
 
 
 class ScaledGate(torch.nn.Module):

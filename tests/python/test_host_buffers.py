@@ -129,6 +129,19 @@ def test_gated_unit_and_its_backward_on_reused_blocks(interleaved):
     torch.testing.assert_close(grad_in.double(), want_grad, rtol=1e-5, atol=1e-5)
 
 
+def test_gated_unit_pair_and_its_backward_on_reused_blocks():
+    gen = torch.Generator().manual_seed(5)
+    gate, up, grad = (torch.randn(1031, 263, generator=gen) for _ in range(3))
+    out = run_on_poisoned_block(lambda: torch.ops.tutel.gated_unit_pair(gate, up, 1.0, 0.0, None))
+    grads = run_on_poisoned_block(lambda: torch.ops.tutel.gated_unit_pair_backward(grad, gate, up, 1.0, 0.0, None))
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    want = torch.nn.functional.silu(g64) * u64
+    want_grads = torch.autograd.grad(want, (g64, u64), grad.double())
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_outputs_are_ordinary_resizable_tensors():
     x, weight = torch.randn(1024, 512), torch.randn(2, 512, 512)
     out = torch.ops.tutel.grouped_linear(x, weight, None, [512, 512], False)

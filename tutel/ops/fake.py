@@ -81,3 +81,13 @@ def _gated_unit(gate_up, alpha, up_offset, limit, interleaved):
 @register_fake("tutel::gated_unit_backward")
 def _gated_unit_backward(grad, gate_up, alpha, up_offset, limit, interleaved):
     return gate_up.new_empty(gate_up.shape)
+
+
+@register_fake("tutel::gated_unit_pair")
+def _gated_unit_pair(gate, up, alpha, up_offset, limit):
+    return gate.new_empty(gate.shape)
+
+
+@register_fake("tutel::gated_unit_pair_backward")
+def _gated_unit_pair_backward(grad, gate, up, alpha, up_offset, limit):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)

@@ -9,6 +9,9 @@ or alternating) to the [..., I] hidden values
 silu(g) * u, the rule of LLaMA, Mixtral, Qwen-MoE and DeepSeek; ``GatedUnit(1.702, 1.0, 7.0,
 interleaved=True)`` is gpt-oss'.
 
+``gated_unit_pair(gate, up, unit)`` is the same unit over gates and ups held in two tensors
+(experts whose gate and up projections are separate products, as Tutel's ``llama_ffn``).
+
 On CPU forward and backward are one pass each of tutel's ``gated_unit`` operator; composed from
 PyTorch operators they are five to twelve passes over [n, I] temporaries (gpt-oss' backward
 also fills two [n, 2I] buffers with zeros for its strided halves), which cost a fifth of a
@@ -44,7 +47,10 @@ def split_gate_up(gate_up: torch.Tensor, interleaved: bool):
 
 def gated_unit_composite(gate_up: torch.Tensor, unit: GatedUnit) -> torch.Tensor:
     """The gated unit composed from PyTorch operators (any device, autograd by PyTorch)."""
-    gate, up = split_gate_up(gate_up, unit.interleaved)
+    return _composite(*split_gate_up(gate_up, unit.interleaved), unit)
+
+
+def _composite(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit) -> torch.Tensor:
     if unit.alpha == 1 and unit.up_offset == 0 and unit.limit is None:
         return F.silu(gate) * up
     if unit.limit is not None:
@@ -63,21 +69,28 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"{where}: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
                          f"(gate and up values)")
-    if not (math.isfinite(unit.alpha) and math.isfinite(unit.up_offset)) or \
-            (unit.limit is not None and not (math.isfinite(unit.limit) and unit.limit > 0)):
-        raise ValueError(f"{where}: {unit} is not allowed: alpha and up_offset must be finite, limit None or a "
-                         f"finite number > 0")
+    _check_unit(unit, where)
     if gate_up.device.type != "cpu":
         return gated_unit_composite(gate_up, unit)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
-    args = (float(unit.alpha), float(unit.up_offset), None if unit.limit is None else float(unit.limit),
-            bool(unit.interleaved))
+    args = _scalars(unit) + (bool(unit.interleaved),)
     if eager_without_grad(gate_up):
         # Nothing to trace or differentiate: skip the custom operator's dispatch.
         hidden = torch.ops.tutel.gated_unit(rows, *args)
     else:
         hidden = _gated_unit(rows, *args)
     return hidden.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def _check_unit(unit: GatedUnit, where: str) -> None:
+    if not (math.isfinite(unit.alpha) and math.isfinite(unit.up_offset)) or \
+            (unit.limit is not None and not (math.isfinite(unit.limit) and unit.limit > 0)):
+        raise ValueError(f"{where}: {unit} is not allowed: alpha and up_offset must be finite, limit None or a "
+                         f"finite number > 0")
+
+
+def _scalars(unit: GatedUnit) -> tuple:
+    return float(unit.alpha), float(unit.up_offset), None if unit.limit is None else float(unit.limit)
 
 
 @torch.library.custom_op("tutel::gated_unit_rows", mutates_args=())
@@ -103,3 +116,53 @@ def _backward(ctx, grad):
 
 
 _gated_unit.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
+    """The gated unit over gates and ups held in two tensors of the same shape [..., I] (experts
+    whose gate and up projections are separate products, as Tutel's ``llama_ffn``) -> [..., I];
+    differentiable in both.  `unit` must not be interleaved."""
+    where = "tutel.ops.gated_units.gated_unit_pair"
+    require_floating(gate, "gate", where)
+    if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype or \
+            up.device != gate.device:
+        raise ValueError(f"{where}: `up` must be a tensor of the shape, dtype and device of `gate` "
+                         f"({tuple(gate.shape)}, {gate.dtype}, {gate.device}), got "
+                         f"{(tuple(up.shape), up.dtype, up.device) if isinstance(up, torch.Tensor) else type(up)}")
+    if unit.interleaved:
+        raise ValueError(f"{where}: {unit} is interleaved; separate gates and ups take interleaved=False")
+    _check_unit(unit, where)
+    if gate.device.type != "cpu" or gate.dim() == 0:
+        return _composite(gate, up, unit)
+    gate_rows, up_rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    if eager_without_grad(gate, up):
+        hidden = torch.ops.tutel.gated_unit_pair(gate_rows, up_rows, *_scalars(unit))
+    else:
+        hidden = _gated_unit_pair(gate_rows, up_rows, *_scalars(unit))
+    return hidden.view(gate.shape)
+
+
+@torch.library.custom_op("tutel::gated_unit_pair_rows", mutates_args=())
+def _gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, alpha: float, up_offset: float,
+                     limit: Optional[float]) -> torch.Tensor:
+    return torch.ops.tutel.gated_unit_pair(gate, up, alpha, up_offset, limit)
+
+
+@_gated_unit_pair.register_fake
+def _gated_unit_pair_fake(gate, up, alpha, up_offset, limit):
+    return gate.new_empty(gate.shape)
+
+
+def _pair_setup_context(ctx, inputs, output):
+    gate, up, alpha, up_offset, limit = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.unit = (alpha, up_offset, limit)
+
+
+def _pair_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = torch.ops.tutel.gated_unit_pair_backward(grad, gate, up, *ctx.unit)
+    return grad_gate, grad_up, None, None, None
+
+
+_gated_unit_pair.register_autograd(_pair_backward, setup_context=_pair_setup_context)

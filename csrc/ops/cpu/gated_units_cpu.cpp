@@ -4,6 +4,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include "../../core/gated_units.h"
 #include "../checks.h"
@@ -33,12 +35,45 @@ at::Tensor gate_up_rows(const at::Tensor& gate_up, const char* op) {
   return rows_with_unit_stride(gate_up);
 }
 
+// gates and ups ([n, I] each), checked: same shape, dtype and device, as rows the kernels read.
+std::pair<at::Tensor, at::Tensor> pair_rows(const at::Tensor& gate, const at::Tensor& up, const char* op) {
+  check_dim(gate, 2, op, "gate");
+  check_floating(gate, op, "gate");
+  check_dtype(up, gate.scalar_type(), op, "up");
+  check_same_device(gate, up, op, "up");
+  TORCH_CHECK_VALUE(up.sizes() == gate.sizes(), "tutel::", op, ": `up` must have the shape of `gate` ",
+                    gate.sizes(), ", got ", up.sizes());
+  return {rows_with_unit_stride(gate), rows_with_unit_stride(up)};
+}
+
+void check_grad(const at::Tensor& grad, const at::Tensor& like, int64_t width, const char* op) {
+  check_dtype(grad, like.scalar_type(), op, "grad");
+  check_same_device(like, grad, op, "grad");
+  TORCH_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == like.size(0) && grad.size(1) == width, "tutel::", op,
+                    ": `grad` must have shape [", like.size(0), ", ", width, "], got ", grad.sizes());
+}
+
 template <class T>
-core::GatedRows<core_t<T>> rows_of(const at::Tensor& gate_up, const at::Tensor& grad, at::Tensor& out) {
-  using C = core_t<T>;
-  return core::GatedRows<C>{core_ptr<T>(gate_up), gate_up.stride(0),
-                            grad.defined() ? core_ptr<T>(grad) : nullptr, grad.defined() ? grad.stride(0) : 0,
-                            core_ptr<T>(out), out.stride(0), gate_up.size(0), gate_up.size(1) / 2};
+using CoreRows = core::GatedRows<core_t<T>>;
+
+template <class T>
+CoreRows<T> concatenated_rows(bool interleaved, const at::Tensor& gate_up, const at::Tensor& grad, at::Tensor& h,
+                              at::Tensor& d_gate_up) {
+  return core::concatenated_gate_up<core_t<T>>(
+      interleaved, core_ptr<T>(gate_up), gate_up.stride(0), grad.defined() ? core_ptr<T>(grad) : nullptr,
+      grad.defined() ? grad.stride(0) : 0, h.defined() ? core_ptr<T>(h) : nullptr, h.defined() ? h.stride(0) : 0,
+      d_gate_up.defined() ? core_ptr<T>(d_gate_up) : nullptr, d_gate_up.defined() ? d_gate_up.stride(0) : 0,
+      gate_up.size(0), gate_up.size(1) / 2);
+}
+
+// Separate gates and ups; `out` is h (forward) or d gate (backward, with d_up).
+template <class T>
+CoreRows<T> separate_rows(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& grad, at::Tensor& out,
+                          at::Tensor& d_up) {
+  return CoreRows<T>{core_ptr<T>(gate), gate.stride(0), core_ptr<T>(up), up.stride(0),
+                     grad.defined() ? core_ptr<T>(grad) : nullptr, grad.defined() ? grad.stride(0) : 0,
+                     core_ptr<T>(out), out.stride(0), d_up.defined() ? core_ptr<T>(d_up) : nullptr,
+                     d_up.defined() ? d_up.stride(0) : 0, gate.size(0), gate.size(1)};
 }
 
 at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_offset, c10::optional<double> limit,
@@ -46,9 +81,9 @@ at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_
   const char* op = "gated_unit";
   const core::GatedUnit unit = make_unit(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = gate_up_rows(gate_up_in, op);
-  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit", [&] {
-    core::gated_forward(unit, rows_of<scalar_t>(gate_up, at::Tensor(), out));
+    core::gated_forward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, at::Tensor(), out, none));
   });
   return out;
 }
@@ -58,17 +93,41 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
   const char* op = "gated_unit_backward";
   const core::GatedUnit unit = make_unit(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = gate_up_rows(gate_up_in, op);
-  check_dtype(grad_in, gate_up.scalar_type(), op, "grad");
-  check_same_device(gate_up, grad_in, op, "grad");
-  TORCH_CHECK_VALUE(grad_in.dim() == 2 && grad_in.size(0) == gate_up.size(0) && grad_in.size(1) == gate_up.size(1) / 2,
-                    "tutel::", op, ": `grad` must have shape [", gate_up.size(0), ", ", gate_up.size(1) / 2,
-                    "], got ", grad_in.sizes());
+  check_grad(grad_in, gate_up, gate_up.size(1) / 2, op);
   const at::Tensor grad = rows_with_unit_stride(grad_in);
-  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1)}, gate_up.options());
+  at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1)}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit_backward", [&] {
-    core::gated_backward(unit, rows_of<scalar_t>(gate_up, grad, out));
+    core::gated_backward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, grad, none, out));
   });
   return out;
+}
+
+at::Tensor gated_unit_pair_cpu(const at::Tensor& gate_in, const at::Tensor& up_in, double alpha, double up_offset,
+                               c10::optional<double> limit) {
+  const char* op = "gated_unit_pair";
+  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
+  const auto [gate, up] = pair_rows(gate_in, up_in, op);
+  at::Tensor out = empty_reusable(gate.sizes(), gate.options()), none;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_unit_pair", [&] {
+    core::gated_forward(unit, separate_rows<scalar_t>(gate, up, at::Tensor(), out, none));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_unit_pair_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_in,
+                                                                const at::Tensor& up_in, double alpha,
+                                                                double up_offset, c10::optional<double> limit) {
+  const char* op = "gated_unit_pair_backward";
+  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
+  const auto [gate, up] = pair_rows(gate_in, up_in, op);
+  check_grad(grad_in, gate, gate.size(1), op);
+  const at::Tensor grad = rows_with_unit_stride(grad_in);
+  at::Tensor d_gate = empty_reusable(gate.sizes(), gate.options());
+  at::Tensor d_up = empty_reusable(gate.sizes(), gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_unit_pair_backward", [&] {
+    core::gated_backward(unit, separate_rows<scalar_t>(gate, up, grad, d_gate, d_up));
+  });
+  return {d_gate, d_up};
 }
 
 }  // namespace
@@ -76,6 +135,8 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
 TORCH_LIBRARY_IMPL(tutel, CPU, m) {
   m.impl("gated_unit", &gated_unit_cpu);
   m.impl("gated_unit_backward", &gated_unit_backward_cpu);
+  m.impl("gated_unit_pair", &gated_unit_pair_cpu);
+  m.impl("gated_unit_pair_backward", &gated_unit_pair_backward_cpu);
 }
 
 }  // namespace ops
