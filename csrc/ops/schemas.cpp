@@ -53,6 +53,9 @@ TORCH_LIBRARY(tutel, m) {
   m.def(
       "gated_unit_backward(Tensor grad, Tensor gate_up, float alpha, float up_offset, float? limit, "
       "bool interleaved) -> Tensor");
+  // out[i] = x[index[i]] for x [N, M], index [n] (torch.index_select(x, 0, index) into a buffer
+  // of the CPU block cache).  CPU only.
+  m.def("select_rows(Tensor x, Tensor index) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and
   // its backward's d gate and d up.  CPU only.
   m.def("gated_unit_pair(Tensor gate, Tensor up, float alpha, float up_offset, float? limit) -> Tensor");

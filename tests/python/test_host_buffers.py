@@ -142,6 +142,26 @@ def test_gated_unit_pair_and_its_backward_on_reused_blocks():
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_select_rows_on_a_reused_block(index_dtype):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(300, 263, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, 300, (1001,), generator=gen).to(index_dtype)
+    out = run_on_poisoned_block(lambda: torch.ops.tutel.select_rows(x, index))
+    want = torch.stack([x[int(i)] for i in index])
+    assert torch.equal(out, want)
+    assert torch.ops.tutel.select_rows(x, index[:0]).shape == (0, 263)
+
+
+def test_select_rows_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="index"):
+        torch.ops.tutel.select_rows(torch.randn(4, 3), torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="x"):
+        torch.ops.tutel.select_rows(torch.randn(4), torch.tensor([0, 1]))
+    with pytest.raises(IndexError, match="out of range"):
+        torch.ops.tutel.select_rows(torch.randn(4, 3), torch.tensor([0, 4]))
+
+
 def test_outputs_are_ordinary_resizable_tensors():
     x, weight = torch.randn(1024, 512), torch.randn(2, 512, 512)
     out = torch.ops.tutel.grouped_linear(x, weight, None, [512, 512], False)
@@ -181,3 +201,8 @@ def test_environment_sets_the_limit():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "12345"
+
+
+def test_select_rows_passes_opcheck():
+    torch.library.opcheck(torch.ops.tutel.select_rows.default, (torch.randn(7, 5), torch.tensor([6, 0, 0, 3])),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -178,7 +178,8 @@ def _run_in_pieces(x: torch.Tensor, weights: Optional[torch.Tensor], plan: Routi
     y = None
     for start in range(0, kept, piece):
         end = min(kept, start + piece)
-        part = experts(x.index_select(0, tokens[start:end]), _plan_piece(plan, start, end))
+        # tutel's select_rows: index_select into a reused buffer instead of fresh pages
+        part = experts(torch.ops.tutel.select_rows(x, tokens[start:end]), _plan_piece(plan, start, end))
         if y is None:
             y = torch.zeros((x.shape[0], part.shape[1]), dtype=accumulation_dtype(part.dtype), device=x.device)
         part = part.to(y.dtype)

@@ -91,3 +91,8 @@ def _gated_unit_pair(gate, up, alpha, up_offset, limit):
 @register_fake("tutel::gated_unit_pair_backward")
 def _gated_unit_pair_backward(grad, gate, up, alpha, up_offset, limit):
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+@register_fake("tutel::select_rows")
+def _select_rows(x, index):
+    return x.new_empty((index.shape[0], x.shape[1]))
