@@ -81,3 +81,25 @@ def test_threaded_products_without_grad(threads):
     want = reference(rows.double(), weight.double(), torch.zeros(len(counts), 77, dtype=torch.float64), counts,
                      False)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_long_rows_around_the_skinny_bound(transposed):
+    """float32 rows of 2600 features: [O, K] groups of up to 15 rows take the skinny products, longer
+    ones the GEMM (160 KiB of token rows); both sides of the bound against float64."""
+    gen = torch.Generator().manual_seed(9)
+    counts, k_dim, o_dim = [14, 15, 16, 17, 0, 33], 2600, 70
+    rows = torch.randn(sum(counts), k_dim, generator=gen)
+    shape = (len(counts), k_dim, o_dim) if transposed else (len(counts), o_dim, k_dim)
+    weight = torch.randn(shape, generator=gen) / k_dim ** 0.5
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    leaves = (rows.clone().requires_grad_(), weight.clone().requires_grad_())
+    out = grouped_rows_mm(leaves[0], leaves[1], offsets, transposed)
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, leaves, grad)
+    exact = [t.double().requires_grad_() for t in (rows, weight)]
+    want = reference(exact[0], exact[1], torch.zeros(len(counts), o_dim, dtype=torch.float64), counts, transposed)
+    wanted = torch.autograd.grad(want, exact, grad.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, wanted):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=5e-4)

@@ -37,12 +37,26 @@ at::Tensor right_factor(const at::Tensor& weight, int64_t group, bool weight_tra
 // (benchmarks/grouped_gemm.py, docs/performance.md).
 constexpr int64_t kSkinnyMaxRows = 32;
 
+// For [O, K] matrices in float32, also at most this many bytes of token rows: each pass over
+// 4 matrix rows reads all of the group's token rows again, and past about L2's share they
+// come from further out.  With K = 3584 (Mixtral's down projection) the GEMM was faster from
+// 13 rows on (1.4x at 16-32), with K = 2048 from 24, with K = 1024 not below 32 (2-core Zen 3).
+// 16-bit rows keep the plain bound: their GEMM alternative is slower still without 16-bit
+// dot products, and [K, O] matrices stream past per-thread sums instead.
+constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
+
+int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
+  if (layout != core::WeightLayout::kOutputsByInner || rows.scalar_type() != at::kFloat) return kSkinnyMaxRows;
+  const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
+  return std::max<int64_t>(1, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
+}
+
 bool skinny_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
 // rows[offsets[g]:offsets[g+1]] times matrices[g] into out's same rows, for every group with
-// 1..kSkinnyMaxRows rows; marks them in `done`.  `layout` says how matrices[g] is read
+// 1..skinny_max_rows rows; marks them in `done`.  `layout` says how matrices[g] is read
 // (its last dim must be contiguous), `bias` is [groups, outputs] or undefined.
 template <class T>
 void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias, at::Tensor& out,
@@ -53,9 +67,10 @@ void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at:
   const C* w = core_ptr<T>(matrices);
   const C* b = bias.defined() ? core_ptr<T>(bias) : nullptr;
   C* y = core_ptr<T>(out);
+  const int64_t max_rows = skinny_max_rows(rows, layout);
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
-    if (count < 1 || count > kSkinnyMaxRows) continue;
+    if (count < 1 || count > max_rows) continue;
     products.push_back({x + offsets[g] * rows.stride(0), rows.stride(0), w + int64_t(g) * matrices.stride(0),
                         matrices.stride(1), b ? b + int64_t(g) * bias.stride(0) : nullptr,
                         y + offsets[g] * out.stride(0), out.stride(0), count});
