@@ -381,13 +381,21 @@ operations at T = 1 that run with cold caches after the weights streamed through
 one Qwen3-like call after a 256 MiB read (Zen 3), routing 0.76 ms (gate 0.12, top-k 0.12, GShard
 loss 0.16, capacity and checks the rest) and 0.8 ms for the rest of the call (argument checks, the
 experts' weights, plan), against 2.5 ms for the products with their dispatch and combine. At T >=
-2048 both sides run PyTorch's GEMM per expert, which takes nearly 90% of either side's time
-(profiled, fp32 gpt-oss at T = 2048), so tutel matches the eager loop rather than beating it: it
-saves what surrounds the GEMMs (one fused gate+up product, the gated unit in one pass forward and
-one backward where PyTorch's composition makes 5 to 12, the biases inside the products, routing in
-one counting pass; in inference the rows go through the experts in ~8 MiB pieces gathered from the
-tokens and added back, so no buffer spans all T*k rows and the intermediates stay cached, as the
-eager loop's per-expert ones do). On a CPU without native bf16 dot products tutel runs 16-bit GEMMs
+2048 both sides run PyTorch's GEMM per expert, which takes 80-90% of either side's time. tutel runs
+each expert's product single-threaded and spreads the products over the threads, longest first:
+one 128-512-row GEMM split over both threads ran at 94-158 GFLOP/s where two single-threaded ones
+ran at 2 x 84-91 (the grouped operator at T = 2048: Qwen3-like down projection 182 -> 131 ms,
+DeepSeek-like 100 -> 78 ms). Its operators' large buffers come from a block cache
+(`tutel.ops.host_buffers`): under glibc's default malloc every block over 32 MiB is a fresh mapping
+faulted in page by page, which cost a Qwen3-like training step at T = 2048 213 000 page faults and
+about 0.45 s of system time (1.31 -> 1.0 s without them); transformers' backends still pay them
+here (grouped_mm: 360 000 faults per step; with glibc told to keep freed memory for the whole
+process, `MALLOC_MMAP_MAX_=0` and a large `MALLOC_TRIM_THRESHOLD_`, its step fell from 1.5-1.7 to
+1.25-1.3 s, tutel's from 1.31 to 0.97 s, before the cache). Around the GEMMs tutel saves one fused
+gate+up product, the gated unit in one pass forward and one backward where PyTorch's composition
+makes 5 to 12 (also for moe_layer's separate gate and up products), the biases inside the products
+and routing in one counting pass; in inference the rows go through the experts in pieces of about
+64 MiB gathered from the tokens and added back, so no buffer spans all T*k rows. On a CPU without native bf16 dot products tutel runs 16-bit GEMMs
 in float32 once experts average 32 rows, which transformers' backends do not. The bf16 compute limit
 uses the bf16 GEMM rate, as defined; where that rate is far below float32's (no native bf16), a bf16
 *tutel/limit* below 1 means tutel beat the dtype's own GEMM."""
