@@ -24,15 +24,26 @@ std::vector<double> loads_of(const std::vector<std::vector<int64_t>>& lists, con
   return loads;
 }
 
+std::vector<double> random_costs(std::mt19937& rng, int64_t items) {
+  std::uniform_real_distribution<double> cost(1.0, 50.0);
+  std::vector<double> costs(items);
+  for (double& c : costs) c = cost(rng);
+  return costs;
+}
+
+// The load of the busiest worker when `costs` are spread by balance_work.
+double busiest_load(const std::vector<double>& costs, int64_t workers) {
+  const std::vector<double> loads = loads_of(balance_work(costs, workers), costs);
+  return *std::max_element(loads.begin(), loads.end());
+}
+
 }  // namespace
 
 TEST(WorkBalance, EveryItemGoesToExactlyOneWorker) {
   std::mt19937 rng(7);
-  std::uniform_real_distribution<double> cost(0.0, 100.0);
   for (int64_t items : {0, 1, 2, 5, 64, 97}) {
     for (int64_t workers : {1, 2, 3, 16}) {
-      std::vector<double> costs(items);
-      for (double& c : costs) c = cost(rng);
+      const std::vector<double> costs = random_costs(rng, items);
       const auto lists = balance_work(costs, workers);
       ASSERT_EQ(int64_t(lists.size()), workers);
       std::vector<int64_t> seen;
@@ -62,13 +73,10 @@ static double best_makespan(const std::vector<double>& costs, int64_t workers) {
 TEST(WorkBalance, BusiestWorkerWithinTheLongestFirstBound) {
   // Longest-first ends within (4/3 - 1/(3m)) of the best assignment (Graham 1969).
   std::mt19937 rng(11);
-  std::uniform_real_distribution<double> cost(1.0, 50.0);
   for (int trial = 0; trial < 300; ++trial) {
-    const int64_t workers = 2 + trial % 2, items = 1 + trial % 9;
-    std::vector<double> costs(items);
-    for (double& c : costs) c = cost(rng);
-    const auto loads = loads_of(balance_work(costs, workers), costs);
-    EXPECT_LE(*std::max_element(loads.begin(), loads.end()),
+    const int64_t workers = 2 + trial % 2;
+    const std::vector<double> costs = random_costs(rng, 1 + trial % 9);
+    EXPECT_LE(busiest_load(costs, workers),
               best_makespan(costs, workers) * (4.0 / 3.0 - 1.0 / (3.0 * double(workers))) + 1e-9);
   }
 }
@@ -76,16 +84,12 @@ TEST(WorkBalance, BusiestWorkerWithinTheLongestFirstBound) {
 TEST(WorkBalance, BusiestWorkerWithinTheListSchedulingBound) {
   // Any greedy list: at most the mean load plus (1 - 1/m) of the largest item.
   std::mt19937 rng(13);
-  std::uniform_real_distribution<double> cost(1.0, 50.0);
   for (int trial = 0; trial < 200; ++trial) {
-    const int64_t workers = 2 + trial % 15, items = 1 + trial % 80;
-    std::vector<double> costs(items);
-    for (double& c : costs) c = cost(rng);
-    const auto loads = loads_of(balance_work(costs, workers), costs);
+    const int64_t workers = 2 + trial % 15;
+    const std::vector<double> costs = random_costs(rng, 1 + trial % 80);
     const double total = std::accumulate(costs.begin(), costs.end(), 0.0);
     const double largest = *std::max_element(costs.begin(), costs.end());
-    EXPECT_LE(*std::max_element(loads.begin(), loads.end()),
-              total / double(workers) + (1.0 - 1.0 / double(workers)) * largest + 1e-9);
+    EXPECT_LE(busiest_load(costs, workers), total / double(workers) + (1.0 - 1.0 / double(workers)) * largest + 1e-9);
   }
 }
 

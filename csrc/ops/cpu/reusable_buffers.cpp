@@ -63,7 +63,7 @@ void register_buffer_functions(pybind11::module_& m) {
         out["limit_bytes"] = s.limit_bytes;
         return out;
       },
-      "The CPU buffer cache's counters (see tutel.ops.buffers).");
+      "The CPU buffer cache's counters (see tutel.ops.host_buffers).");
   m.def("_host_cache_release", &core::release_cached_blocks, "Frees every cached CPU buffer.");
   m.def("_host_cache_set_limit", &core::set_block_cache_limit, "Most bytes of free CPU buffers kept.");
 }
