@@ -106,7 +106,9 @@ at::Tensor gated_unit_pair_cpu(const at::Tensor& gate_in, const at::Tensor& up_i
                                c10::optional<double> limit) {
   const char* op = "gated_unit_pair";
   const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
-  const auto [gate, up] = pair_rows(gate_in, up_in, op);
+  // Named references, not structured bindings: lambdas capture those only from C++20.
+  const std::pair<at::Tensor, at::Tensor> rows = pair_rows(gate_in, up_in, op);
+  const at::Tensor &gate = rows.first, &up = rows.second;
   at::Tensor out = empty_reusable(gate.sizes(), gate.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_unit_pair", [&] {
     core::gated_forward(unit, separate_rows<scalar_t>(gate, up, at::Tensor(), out, none));
@@ -119,7 +121,8 @@ std::tuple<at::Tensor, at::Tensor> gated_unit_pair_backward_cpu(const at::Tensor
                                                                 double up_offset, c10::optional<double> limit) {
   const char* op = "gated_unit_pair_backward";
   const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
-  const auto [gate, up] = pair_rows(gate_in, up_in, op);
+  const std::pair<at::Tensor, at::Tensor> rows = pair_rows(gate_in, up_in, op);
+  const at::Tensor &gate = rows.first, &up = rows.second;
   check_grad(grad_in, gate, gate.size(1), op);
   const at::Tensor grad = rows_with_unit_stride(grad_in);
   at::Tensor d_gate = empty_reusable(gate.sizes(), gate.options());
