@@ -49,6 +49,16 @@ Expected expected(const GatedUnit& unit, double g_in, double u_in, double dh) {
   return e;
 }
 
+// One unit's h, d gate and d up against the definition in double, to the storage type's rounding.
+template <class T>
+void expect_unit(const GatedUnit& unit, T g, T u, T dh, T h, T dg, T du, int64_t row, int64_t i) {
+  const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
+  const Expected e = expected(unit, value(g), value(u), value(dh));
+  EXPECT_NEAR(value(h), e.h, tolerance * e.h_scale + 1e-30) << "h row " << row << " unit " << i;
+  EXPECT_NEAR(value(dg), e.dg, tolerance * e.dg_scale + 1e-30) << "d gate row " << row << " unit " << i;
+  EXPECT_NEAR(value(du), e.du, tolerance * e.du_scale + 1e-30) << "d up row " << row << " unit " << i;
+}
+
 template <class T>
 void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_t width, std::mt19937& rng) {
   std::normal_distribution<float> dist(0.f, 5.f);
@@ -73,19 +83,13 @@ void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_
   kernels.forward(unit, forward, 2, rows);
   kernels.backward(unit, backward, 0, 3);
   kernels.backward(unit, backward, 3, rows);
-  const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
   for (int64_t r = 0; r < rows; ++r) {
     EXPECT_EQ(value(h[r * (width + 1) + width]), value(sentinel)) << "wrote past h's row";
     EXPECT_EQ(value(d[r * (2 * width + 1) + 2 * width]), value(sentinel)) << "wrote past d gate_up's row";
     for (int64_t i = 0; i < width; ++i) {
       const int64_t gc = unit.interleaved ? 2 * i : i, uc = unit.interleaved ? 2 * i + 1 : width + i;
-      const Expected e = expected(unit, value(gate_up[r * in_stride + gc]), value(gate_up[r * in_stride + uc]),
-                                  value(grad[r * grad_stride + i]));
-      EXPECT_NEAR(value(h[r * (width + 1) + i]), e.h, tolerance * e.h_scale + 1e-30) << "h row " << r << " unit " << i;
-      EXPECT_NEAR(value(d[r * (2 * width + 1) + gc]), e.dg, tolerance * e.dg_scale + 1e-30)
-          << "d gate row " << r << " unit " << i;
-      EXPECT_NEAR(value(d[r * (2 * width + 1) + uc]), e.du, tolerance * e.du_scale + 1e-30)
-          << "d up row " << r << " unit " << i;
+      expect_unit(unit, gate_up[r * in_stride + gc], gate_up[r * in_stride + uc], grad[r * grad_stride + i],
+                  h[r * (width + 1) + i], d[r * (2 * width + 1) + gc], d[r * (2 * width + 1) + uc], r, i);
     }
   }
 }
@@ -114,17 +118,13 @@ void check_separate_kernels(const GatedKernels<T>& kernels, const GatedUnit& uni
   kernels.forward(unit, forward, 3, rows);
   kernels.backward(unit, backward, 0, 1);
   kernels.backward(unit, backward, 1, rows);
-  const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = width; i < h_stride; ++i) EXPECT_EQ(value(h[r * h_stride + i]), value(sentinel));
     for (int64_t i = width; i < dg_stride; ++i) EXPECT_EQ(value(dg[r * dg_stride + i]), value(sentinel));
     for (int64_t i = width; i < du_stride; ++i) EXPECT_EQ(value(du[r * du_stride + i]), value(sentinel));
     for (int64_t i = 0; i < width; ++i) {
-      const Expected e = expected(unit, value(gate[r * gate_stride + i]), value(up[r * up_stride + i]),
-                                  value(grad[r * grad_stride + i]));
-      EXPECT_NEAR(value(h[r * h_stride + i]), e.h, tolerance * e.h_scale + 1e-30) << "h row " << r << " unit " << i;
-      EXPECT_NEAR(value(dg[r * dg_stride + i]), e.dg, tolerance * e.dg_scale + 1e-30) << "d gate " << r << ", " << i;
-      EXPECT_NEAR(value(du[r * du_stride + i]), e.du, tolerance * e.du_scale + 1e-30) << "d up " << r << ", " << i;
+      expect_unit(unit, gate[r * gate_stride + i], up[r * up_stride + i], grad[r * grad_stride + i],
+                  h[r * h_stride + i], dg[r * dg_stride + i], du[r * du_stride + i], r, i);
     }
   }
 }

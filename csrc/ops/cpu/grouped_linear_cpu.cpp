@@ -252,11 +252,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
     const int64_t count = offsets[g + 1] - offsets[g];
     const at::Tensor rows_grad = grad.narrow(0, offsets[g], count);
     const at::Tensor rows_in = x.narrow(0, offsets[g], count);
-    const at::Tensor w = weight.select(0, g);
     if (count > 0 && output_mask[0] && !skinny_grad_x[g]) {
-      // d x = d y @ W^T, with W = weight[g] or weight[g]^T.
-      add_product(pieces, grad_x.narrow(0, offsets[g], count), rows_grad, weight_transposed ? w : w.t(), at::Tensor(),
-                  max_cost);
+      // d x = d y @ W^T: weight[g] read the other way round from the forward product.
+      add_product(pieces, grad_x.narrow(0, offsets[g], count), rows_grad, right_factor(weight, g, !weight_transposed),
+                  at::Tensor(), max_cost);
     }
     if (output_mask[1]) {
       // d W has weight[g]'s layout: [K, O] = x^T dy, or [O, K] = dy^T x.  A group
