@@ -2,9 +2,11 @@
 weights, and tutel's counterparts holding the same weights.
 
 Shapes: the families' real proportions (experts, top-k, intermediate / hidden), with the hidden
-size scaled to 1024 so that a 2-core machine runs thousands of tokens in seconds.
+size scaled to 1024 so that a 2-core machine runs thousands of tokens in seconds; ``full_size``
+gives the published models' own layer shapes (for GPUs).
 """
-from typing import Callable, Dict, NamedTuple, Optional
+import contextlib
+from typing import Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -27,6 +29,13 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(hidden_size=1024, intermediate_size=1024, num_local_experts=32,
                                      num_experts_per_tok=4),
                 "gpt_oss.modeling_gpt_oss.GptOssMLP"),
+}
+# The published models' MoE layers, for a machine that holds them (DeepSeek-V3's is 11 GiB in bf16).
+FULL_SIZES = {
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128),  # Qwen3-30B-A3B
+    "mixtral": dict(hidden_size=4096, intermediate_size=14336),  # Mixtral-8x7B
+    "deepseek_v3": dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256),  # DeepSeek-V3
+    "gpt_oss": dict(hidden_size=2880, intermediate_size=2880),  # gpt-oss-20b
 }
 SMOKE_SIZES = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts=8, n_routed_experts=8,
                    num_local_experts=8, n_group=4, topk_group=2)
@@ -55,17 +64,35 @@ def _router(block: torch.nn.Module) -> Callable[[torch.Tensor], tuple]:
     return route
 
 
-def build_block(name: str, dtype: torch.dtype, smoke: bool, seed: int = 0) -> Block:
-    """The family's MoE block with random weights (the routers' too: transformers zero-initialises them)."""
+@contextlib.contextmanager
+def built_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Modules constructed inside are made directly in `dtype` on `device` (no float32 copy on the
+    host first: a full-size DeepSeek-V3 layer would take 45 GiB there)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_block(name: str, dtype: torch.dtype, smoke: bool, seed: int = 0, device: str = "cpu",
+                full_size: bool = False) -> Block:
+    """The family's MoE block with random weights (the routers' too: transformers zero-initialises them),
+    on `device`; `full_size` takes the published model's layer shapes (FULL_SIZES) instead of the scaled ones."""
     import transformers
     config_name, kwargs, block_path = FAMILIES[name]
     kwargs = dict(kwargs)
+    if full_size:
+        kwargs.update(FULL_SIZES[name])
     if smoke:
         kwargs.update({key: value for key, value in SMOKE_SIZES.items() if key in kwargs})
     config = getattr(transformers, config_name)(**kwargs)
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
-    block = _import(block_path)(config)
+    with built_in(dtype, torch.device(device)):
+        block = _import(block_path)(config)
     with torch.no_grad():
         for param_name, param in block.named_parameters():
             fan_in = param.shape[-1] if param.dim() > 1 else 1
@@ -103,9 +130,10 @@ def moe_layer_like(block: Block) -> Optional[torch.nn.Module]:
     inter = two_inter // 2
     k = block.config.num_experts_per_tok
     dtype = experts.gate_up_proj.dtype
-    layer = moe.moe_layer(gate_type={"type": "top", "k": k, "capacity_factor": 0.0, "fp32_gate": False},
-                          model_dim=hidden, experts={"type": "llama_ffn", "num_experts_per_device": num_experts,
-                                                     "hidden_size_per_expert": inter}).to(dtype)
+    with built_in(dtype, experts.gate_up_proj.device):
+        layer = moe.moe_layer(gate_type={"type": "top", "k": k, "capacity_factor": 0.0, "fp32_gate": False},
+                              model_dim=hidden, experts={"type": "llama_ffn", "num_experts_per_device": num_experts,
+                                                         "hidden_size_per_expert": inter}).to(dtype)
     router_weight = getattr(block.module, "gate").weight
     with torch.no_grad():
         gate_w, up_w = experts.gate_up_proj.detach().split(inter, dim=1)  # [E, I, H] each

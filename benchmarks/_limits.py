@@ -4,9 +4,13 @@
   dtype under test: no MoE layer can run its GEMMs faster than the machine runs one big one.
 * Read bandwidth: bytes/s of summing a buffer several times larger than the last-level cache:
   at small batches an MoE layer must at least read the weights of the experts it uses once.
+
+On a CUDA device the same two probes run there, larger (an 8192-cube product; a buffer of 8x the
+L2 cache and at least 1 GiB), each call followed by a synchronisation so that host timers see the
+device's work.
 """
 import time
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -51,28 +55,60 @@ def last_level_cache_bytes() -> int:
     return max(sizes) if sizes else 32 << 20
 
 
-def measure_limits(dtypes, smoke: bool) -> Dict[str, float]:
-    """{'gemm_gflops_<dtype>': ..., 'read_gbps': ...} for the dtypes under test."""
+def measure_limits(dtypes, smoke: bool, device: str = "cpu") -> Dict[str, float]:
+    """{'gemm_gflops_<dtype>': ..., 'read_gbps': ...} for the dtypes under test, on `device`."""
+    if torch.device(device).type == "cuda":
+        limits = {}
+        for dtype in dtypes:
+            probes = LimitProbes(dtype, smoke, device)
+            calls = probes.candidates()
+            times = {name: _best_seconds(fn, 5) for name, fn in calls.items()}
+            rates = probes.rates(times)
+            limits[f"gemm_gflops_{str(dtype).replace('torch.', '')}"] = rates["gemm_flops"] / 1e9
+            limits["read_gbps"] = rates["read_bytes"] / 1e9
+            del probes
+        return limits
     limits = {f"gemm_gflops_{str(dtype).replace('torch.', '')}": gemm_rate(dtype, smoke) / 1e9 for dtype in dtypes}
     limits["read_gbps"] = read_bandwidth(smoke, cache_bytes=last_level_cache_bytes()) / 1e9
     return limits
 
 
+def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """`fn` followed by a wait for `device` (CUDA runs asynchronously); `fn` itself elsewhere."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
 class LimitProbes:
     """The two limits as candidates timed among the others (interleaved), so that they see the
     same load from other processes: one large GEMM in `dtype` and one read of a buffer 8x the
-    last-level cache.  ``rates(times)`` turns their median times into FLOP/s and bytes/s."""
+    last-level cache (on CUDA: the L2, at least 1 GiB).  ``rates(times)`` turns their median
+    times into FLOP/s and bytes/s."""
 
-    def __init__(self, dtype: torch.dtype, smoke: bool):
-        m, k, n = (256, 128, 128) if smoke else (4096, 1024, 1024)
-        self.a, self.b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    def __init__(self, dtype: torch.dtype, smoke: bool, device: str = "cpu"):
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        m, k, n = (256, 128, 128) if smoke else (8192, 8192, 8192) if on_gpu else (4096, 1024, 1024)
+        self.a = torch.randn(m, k, device=self.device).to(dtype)
+        self.b = torch.randn(n, k, device=self.device).to(dtype)
         self.flops = 2.0 * m * n * k
-        numel = (1 << 16) if smoke else 8 * last_level_cache_bytes() // 4
-        self.buffer = torch.ones(numel)
+        if smoke:
+            numel = 1 << 16
+        elif on_gpu:
+            numel = max(8 * torch.cuda.get_device_properties(self.device).L2_cache_size, 1 << 30) // 4
+        else:
+            numel = 8 * last_level_cache_bytes() // 4
+        self.buffer = torch.ones(numel, device=self.device)
         self.bytes = numel * 4
 
     def candidates(self) -> Dict[str, object]:
-        return {"gemm_probe": lambda: F.linear(self.a, self.b), "read_probe": lambda: self.buffer.sum()}
+        return {"gemm_probe": synchronized(lambda: F.linear(self.a, self.b), self.device),
+                "read_probe": synchronized(lambda: self.buffer.sum(), self.device)}
 
     def rates(self, times: Dict[str, float]) -> Dict[str, float]:
         return {"gemm_flops": self.flops / times["gemm_probe"], "read_bytes": self.bytes / times["read_probe"]}

@@ -16,6 +16,11 @@ larger.
 
     python benchmarks/transformers_moe.py          # writes benchmarks/results/transformers_moe.json
     python benchmarks/transformers_moe.py --smoke
+    python benchmarks/transformers_moe.py --device cuda --full-size --dtypes bfloat16
+                                                   # the published layer shapes on a GPU (transformers_moe_cuda.json)
+
+On a CUDA device every timed call ends with a synchronisation, so a time is what the caller waits
+for, kernel launches included (no CUDA graphs, as transformers runs these blocks by default).
 """
 import sys
 import time
@@ -24,9 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from _common import format_table, interleaved_medians, load_average, parse_args, write_result
-from _hf_blocks import (FAMILIES, build_block, experts_flops_per_choice, experts_weight_bytes, moe_layer_like,
+from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, experts_flops_per_choice, experts_weight_bytes, moe_layer_like,
                         tutel_backend_name)
-from _limits import LimitProbes, measure_limits
+from _limits import LimitProbes, measure_limits, synchronized
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
 FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
@@ -66,26 +71,39 @@ def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
     return run
 
 
-def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int, min_reps: int = 1) -> int:
-    """Repetitions so that one case takes about SECONDS_PER_CASE (each candidate timed once), at
+def _reps_for(candidates: Dict[str, Callable[[], None]], max_reps: int, min_reps: int = 1,
+              seconds: float = SECONDS_PER_CASE) -> int:
+    """Repetitions so that one case takes about `seconds` (each candidate timed once), at
     least `min_reps` (a median of one or two samples moves with every hiccup of a shared machine)."""
     start = time.perf_counter()
     for fn in candidates.values():
         fn()
     once = time.perf_counter() - start
-    return max(1, min_reps, min(max_reps, int(SECONDS_PER_CASE / max(once, 1e-6))))
+    return max(1, min_reps, min(max_reps, int(seconds / max(once, 1e-6))))
+
+
+def _relative_error_to_eager(block, ours: str, x, indices, weights) -> float:
+    """||tutel - eager|| / ||eager|| of the experts' outputs in the block's dtype: a check that the
+    timed implementation computes the same thing (the tests compare against float64)."""
+    with torch.no_grad():
+        block.config._experts_implementation = "eager"
+        reference = block.experts(x, indices, weights).double()
+        block.config._experts_implementation = ours
+        ours_out = block.experts(x, indices, weights).double()
+    return float((ours_out - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
 def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, smoke: bool,
-                 max_reps: int, min_reps: int = 1) -> Dict[str, object]:
+                 max_reps: int, min_reps: int = 1, seconds: float = SECONDS_PER_CASE) -> Dict[str, object]:
     dtype = DTYPES[dtype_name]
+    device = block.experts.down_proj.device
     hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
     generator = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_(train)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device).requires_grad_(train)
     with torch.no_grad():
         indices, weights = block.router(x)
     weights = weights.detach()
-    grad = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device)
     k = indices.shape[1]
     up = block.experts.gate_up_proj
     gathered = tokens * k * sum(p[0].numel() * p.element_size() for p in block.experts.parameters())
@@ -95,11 +113,13 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     candidates["tutel"] = _experts_call(block, ours, x, indices, weights, train, grad)
     if layer is not None:
         candidates["moe_layer"] = _layer_call(layer, x, train, grad)
-    probes = LimitProbes(dtype, smoke)
+    candidates = {name: synchronized(fn, device) for name, fn in candidates.items()}
+    probes = LimitProbes(dtype, smoke, device)
     candidates.update(probes.candidates())
-    reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps))
+    reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps), seconds)
     times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
     rates = probes.rates(times)  # the machine's rates during this case, under the same load
+    error = _relative_error_to_eager(block, ours, x, indices, weights)
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
     active = int(torch.unique(indices).numel())
     weight_bytes = active * experts_weight_bytes(block.experts)["per_expert"]
@@ -120,6 +140,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     if layer is not None:
         row["best_transformers/moe_layer"] = times[best] / times["moe_layer"]
         row["moe_layer/limit"] = times["moe_layer"] * 1e3 / row["limit_ms"]
+    row["tutel_vs_eager"] = error
     row["foreign_cpus"] = times.foreign_cpus
     row["pass"] = row.pop("pass_")
     return row
@@ -127,7 +148,8 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
 
 COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "grouped_mm_ms", "batched_mm_ms", "tutel_ms",
            "moe_layer_ms", "limit_ms", "tutel/limit", "best_transformers", "best_transformers/tutel",
-           "moe_layer/limit", "best_transformers/moe_layer", "gemm_gflops", "read_gbps", "foreign_cpus"]
+           "moe_layer/limit", "best_transformers/moe_layer", "tutel_vs_eager", "gemm_gflops", "read_gbps",
+           "foreign_cpus"]
 
 
 def lscpu_model() -> Optional[str]:
@@ -169,6 +191,11 @@ def _own_options(argv: Optional[Sequence[str]]):
     parser.add_argument("--no-train-16bit", action="store_true",
                         help="skip the bfloat16 forward+backward cases (transformers' eager backend takes minutes "
                              "per repetition there on CPUs without native 16-bit dot products)")
+    parser.add_argument("--device", default="cpu", help="where the blocks run: cpu (default) or cuda")
+    parser.add_argument("--full-size", action="store_true",
+                        help="the published models' layer shapes (_hf_blocks.FULL_SIZES) instead of the scaled ones")
+    parser.add_argument("--seconds-per-case", type=float, default=SECONDS_PER_CASE,
+                        help="repetitions of a case are cut to about this much time")
     parser.add_argument("--min-reps", type=int, default=1,
                         help="repetitions of every case at least (cases are otherwise cut to about "
                              f"{SECONDS_PER_CASE:.0f} s, down to one repetition)")
@@ -182,7 +209,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(__doc__.splitlines()[0], argv, default_reps=10)
     ours = tutel_backend_name()
     dtypes = {name: DTYPES[name] for name in own.dtypes.split(",")}
-    limits = measure_limits(list(dtypes.values()), args.smoke)
+    on_gpu = torch.device(own.device).type == "cuda"
+    if on_gpu and own.result_name == "transformers_moe":
+        own.result_name = "transformers_moe_cuda"
+    limits = measure_limits(list(dtypes.values()), args.smoke, own.device)
     print("limits:", {key: round(value, 1) for key, value in limits.items()}, "tutel backend:", ours, flush=True)
     rows: List[Dict[str, object]] = []
     forward_tokens = SMOKE_FORWARD_TOKENS if args.smoke else FORWARD_TOKENS
@@ -192,9 +222,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     if own.train_tokens is not None:
         train_tokens = [int(t) for t in own.train_tokens.split(",") if t]
     families = own.families.split(",")
+    result = {"rows": rows, "columns": COLUMNS, "limits": limits, "tutel_backend": ours,
+              "lscpu_model": lscpu_model(), "cpu_flags": cpu_flags(),
+              "families": {name: dict(FAMILIES[name][1], **(FULL_SIZES[name] if own.full_size else {}))
+                           for name in families}, "reps": args.reps, "device": own.device,
+              "device_name": torch.cuda.get_device_name(own.device) if on_gpu else None,
+              "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
     for dtype_name, dtype in dtypes.items():
         for family in families:
-            block = build_block(family, dtype, args.smoke)
+            block = build_block(family, dtype, args.smoke, device=own.device, full_size=own.full_size)
             layer = moe_layer_like(block)
             cases = [(t, False) for t in forward_tokens] + [(t, True) for t in train_tokens]
             if dtype != torch.float32 and own.max_tokens_16bit is not None:
@@ -203,15 +239,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                 cases = [(t, train) for t, train in cases if not train]
             for tokens, train in cases:
                 row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps,
-                                   own.min_reps)
+                                   own.min_reps, own.seconds_per_case)
                 rows.append(row)
                 print(format_table([row], COLUMNS), flush=True)
             del block, layer
-    limits_after = measure_limits(list(dtypes.values()), args.smoke)
-    result = {"rows": rows, "columns": COLUMNS, "limits": limits, "limits_after": limits_after, "tutel_backend": ours,
-              "lscpu_model": lscpu_model(), "cpu_flags": cpu_flags(),
-              "families": {name: FAMILIES[name][1] for name in families}, "reps": args.reps,
-              "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
+            if on_gpu:
+                torch.cuda.empty_cache()
+            write_result(args.out, own.result_name, dict(result, partial=True), args.smoke)  # kept if stopped later
+    result["limits_after"] = measure_limits(list(dtypes.values()), args.smoke, own.device)
     write_result(args.out, own.result_name, result, args.smoke)
     print(format_table(rows, COLUMNS))
     return result

@@ -48,16 +48,21 @@ inline void check_slot_table(const at::Tensor& indices, const at::Tensor& locati
                     indices.sizes(), " and ", locations.sizes());
 }
 
-// Turns a core error into a Python IndexError / ValueError naming the entry.
-inline void raise_if_failed(const core::Status& status, const char* op) {
+// Turns a core error into a Python IndexError / ValueError naming the entry;
+// `context`, when given, follows the message in parentheses (where the error
+// was found).  The message is built here rather than added to a caught
+// c10::Error with add_context, which makes c10 render the captured C++
+// backtrace into the message.
+inline void raise_if_failed(const core::Status& status, const char* op, const std::string& context = "") {
   if (status.ok()) return;
+  const std::string suffix = context.empty() ? "" : " (" + context + ")";
   if (status.code == core::StatusCode::kExpertIndexOutOfRange) {
     TORCH_CHECK_INDEX(false, "tutel::", op, ": expert index ", status.value,
                       " (choice ", status.choice, ", token ", status.token,
-                      ") is out of range; indices must satisfy 0 <= index < num_experts");
+                      ") is out of range; indices must satisfy 0 <= index < num_experts", suffix);
   }
   TORCH_CHECK_VALUE(false, "tutel::", op, ": location ", status.value, " (choice ", status.choice,
-                    ", token ", status.token, ") is negative; locations must be >= 0");
+                    ", token ", status.token, ") is negative; locations must be >= 0", suffix);
 }
 
 }  // namespace ops

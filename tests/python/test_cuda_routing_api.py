@@ -49,7 +49,10 @@ def test_routing_api_equals_cpu(tokens, experts, top_k, model_dim, dtype, capaci
     # rounding, 16-bit results to one rounding of the 16-bit type.
     if dtype in (torch.float32, torch.float64):
         assert_dots_match(combined.detach(), g_combined.detach(), "fast_decode")
-        assert_dots_match(scores_grad, g_scores_grad, "scores.grad")
+        # The score gradient sums products of the loss gradient (2 * combined) and the expert rows
+        # (2 * dispatched + 1), then goes through the gates' normalisation, which cancels.
+        terms = float((2 * combined.detach()).abs().max() * (2 * dispatched.detach() + 1).abs().max())
+        assert_dots_match(scores_grad, g_scores_grad, "scores.grad", terms=terms)
     else:
         torch.testing.assert_close(g_combined.detach().cpu(), combined.detach(), **tolerance(dtype))
         torch.testing.assert_close(g_scores_grad.cpu(), scores_grad, **tolerance(dtype))

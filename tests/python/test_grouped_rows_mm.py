@@ -3,7 +3,6 @@ gradients, both weight layouts, idle experts, rows past the last group, every dt
 import pytest
 import torch
 
-import tutel.ops.grouped_mm as grouped_mm_module
 from tutel.ops.grouped_mm import grouped_rows_mm
 
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-4, 1e-5),
@@ -23,14 +22,6 @@ def reference(rows, weight, counts, transposed, bias=None):
             out[start:start + count] += bias[expert].double()
         start += count
     return out
-
-
-@pytest.fixture
-def on_grouped_mm(monkeypatch):
-    """Takes the path devices take (torch.nn.functional.grouped_mm, the bias added by row index)
-    on the CPU, where grouped_mm has a kernel for these operands."""
-    monkeypatch.setattr(grouped_mm_module, "_use_grouped_mm",
-                        lambda a, b: a.shape[0] > 0 and grouped_mm_module.grouped_mm_supports(a, b))
 
 
 def _check_against_reference(dtype, transposed, counts, tail, size, with_bias):
@@ -82,8 +73,46 @@ def test_matches_loop_reference(dtype, transposed, counts, tail, size, with_bias
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("counts,tail", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_grouped_mm_path_matches_loop_reference(on_grouped_mm, dtype, transposed, counts, tail, with_bias):
+def test_grouped_mm_path_matches_loop_reference(device_grouped_mm_path, dtype, transposed, counts, tail, with_bias):
     _check_against_reference(dtype, transposed, counts, tail, (16, 8), with_bias)
+
+
+@pytest.mark.parametrize("path", ["default", "grouped_mm"])
+@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_past_the_groups_do_not_reach_the_experts_rows_or_gradients(request, path, zero_tail, transposed,
+                                                                         with_bias):
+    """NaN in the rows past the last group and in their upstream gradient: the experts' rows, the
+    weight and bias gradients and the experts' rows' gradients equal the reference; the tail is
+    zero with zero_tail (also where grouped_mm leaves it unwritten) and anything without."""
+    if path == "grouped_mm":
+        request.getfixturevalue("device_grouped_mm_path")
+    counts, tail, (k_dim, o_dim) = [3, 0, 5], 4, (16, 8)
+    kept = sum(counts)
+    gen = torch.Generator().manual_seed(21)
+    rows = torch.randn(kept + tail, k_dim, generator=gen)
+    rows[kept:] = float("nan")
+    rows.requires_grad_()
+    shape = (3, k_dim, o_dim) if transposed else (3, o_dim, k_dim)
+    weight = torch.randn(*shape, generator=gen).requires_grad_()
+    bias = torch.randn(3, o_dim, generator=gen).requires_grad_() if with_bias else None
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = grouped_rows_mm(rows, weight, offsets, transposed, bias, zero_tail=zero_tail)
+
+    leaves = (rows, weight) + ((bias,) if with_bias else ())
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    want = reference(leaves64[0], leaves64[1], counts, transposed, leaves64[2] if with_bias else None)
+    torch.testing.assert_close(out[:kept].double(), want[:kept], rtol=1e-4, atol=1e-5)
+    if zero_tail:
+        assert not out[kept:].any()
+    grad = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    grad[kept:] = float("nan")  # a caller that leaves the tail unspecified sends anything back for it
+    got = torch.autograd.grad(out, leaves, grad.float())
+    wanted = torch.autograd.grad(want[:kept], leaves64, grad[:kept])
+    torch.testing.assert_close(got[0][:kept].double(), wanted[0][:kept], rtol=4e-4, atol=8e-5)
+    for g, w in zip(got[1:], wanted[1:]):
+        torch.testing.assert_close(g.double(), w, rtol=4e-4, atol=8e-5)
 
 
 def test_operator_registration_passes_opcheck():
@@ -92,6 +121,7 @@ def test_operator_registration_passes_opcheck():
     weight = torch.randn(3, 8, 16, generator=gen, requires_grad=True)
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
     bias = torch.randn(3, 8, generator=gen, requires_grad=True)
-    for args in ((rows, weight, offsets, False), (rows, weight, offsets, False, bias)):
+    for args in ((rows, weight, offsets, False), (rows, weight, offsets, False, bias),
+                 (rows, weight, offsets, False, bias, False)):
         torch.library.opcheck(torch.ops.tutel.grouped_rows_mm.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

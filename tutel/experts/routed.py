@@ -108,8 +108,9 @@ class _ExpertsCall(NamedTuple):
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);
-        the rows past the kept ones stay zero.  The biases ride in the grouped products."""
-        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias)
+        the rows past the kept ones hold anything (decode and the pieces read only the kept rows,
+        and their gradients flow back only into them).  The biases ride in the grouped products."""
+        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias, zero_tail=False)
         if self.gate is not None:
             hidden = gated_unit(hidden, self.gate)
         elif self.gate_fn is not None:
@@ -118,7 +119,8 @@ class _ExpertsCall(NamedTuple):
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias)
+        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
+                              zero_tail=False)
         return out if self.post_fn is None else self.post_fn(out)
 
 

@@ -50,15 +50,10 @@ void raise_data_errors(int device) {
                                 ? core::StatusCode::kExpertIndexOutOfRange
                                 : core::StatusCode::kNegativeLocation,
                             error->choice, error->token, error->value};
-  try {
-    raise_if_failed(status, op_name(error->op));
-  } catch (c10::Error& e) {
-    // A single context line is shown in parentheses after the message.
-    e.add_context("found on cuda:" + std::to_string(device) + " by an earlier call of tutel::" +
-                  op_name(error->op) + ", which treated that choice as dropped; "
-                  "tutel.cuda.check_errors() reports such errors right after a call");
-    throw;
-  }
+  raise_if_failed(status, op_name(error->op),
+                  "found on cuda:" + std::to_string(device) + " by an earlier call of tutel::" +
+                      op_name(error->op) + ", which treated that choice as dropped; "
+                      "tutel.cuda.check_errors() reports such errors right after a call");
 }
 
 Variant data_variant(at::ScalarType dtype) {

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU and a CUDA build of PyTorch: builds tutel with its CUDA operators,
+# runs the tests that need a GPU, the helloworld example on the GPU and the GPU benchmarks
+# (cuda_kernels.py; transformers_moe.py at the published models' layer shapes in bfloat16).
+# Each step has a time limit and its own log; logs and JSON go to DIR (default build/gpu_run).
+#
+#   bash benchmarks/run_on_gpu.sh [DIR]
+#
+# Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++), TUTEL_GPU_TEST_SECONDS (default 200),
+# TUTEL_GPU_BENCH_SECONDS (default 170), TUTEL_GPU_FAMILIES (transformers_moe --families).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-build/gpu_run}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+failed=()
+
+# step NAME LIMIT COMMAND...: runs COMMAND under `timeout LIMIT`, output to DIR/NAME.log, prints its tail.
+step() {
+    local name=$1 limit=$2 started=$SECONDS status
+    shift 2
+    echo "== ${name} (limit ${limit} s): $*"
+    timeout "$limit" "$@" >"${out}/${name}.log" 2>&1
+    status=$?
+    echo "   exit ${status} after $((SECONDS - started)) s"
+    tail -n "${TAIL_LINES:-12}" "${out}/${name}.log" | cut -c1-400
+    [ "$status" -eq 0 ] || failed+=("${name} (exit ${status})")
+    return "$status"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$py" -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"
+    "$py" -c "import transformers; print('transformers', transformers.__version__)"
+    nproc
+} >"${out}/machine.log" 2>&1
+cat "${out}/machine.log"
+
+# A compiler wrapper (seen: CXX=/opt/gcc/bin/g++ in front of Ubuntu's g++ 13.3) built an extension that
+# crashed in std::ostream while PyTorch's checks formatted a message; the system g++ of the same version
+# did not.  Build with the system compiler where there is one.
+if [ -x /usr/bin/g++ ] && [ -z "${TUTEL_KEEP_CXX:-}" ]; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++
+fi
+TAIL_LINES=20 step build 420 env TUTEL_WITH_CUDA=1 MAX_JOBS="$(nproc)" "$py" setup.py -q build_ext --inplace \
+    || { echo "the build failed: nothing else runs"; exit 1; }
+
+gpu_tests=(tests/python/test_cuda_ops.py tests/python/test_cuda_routing_api.py tests/python/test_cuda_kernel_cache.py
+           tests/python/test_backend_self_check.py tests/python/test_composite_ops.py tests/python/test_expert_linear.py
+           tests/python/test_jit.py tests/python/test_check_cli.py tests/python/integrations/test_transformers_layouts.py
+           tests/python/distributed/test_dist_single_process.py)
+TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}" "$py" -m pytest -p no:cacheprovider -n 12 \
+    --timeout 120 -v --tb=short -rfE "${gpu_tests[@]}"
+
+step helloworld 60 bash -c "'$py' -m tutel.examples.helloworld --device cuda --num_steps 20 \
+    && '$py' -m tutel.examples.helloworld --device cuda --num_steps 20 --dtype bfloat16"
+step cuda_kernels 90 "$py" benchmarks/cuda_kernels.py --reps 20 --out "${out}/cuda_kernels.json"
+TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-170}" "$py" benchmarks/transformers_moe.py \
+    --device cuda --full-size --dtypes bfloat16 --families "${TUTEL_GPU_FAMILIES:-qwen3_moe,mixtral,deepseek_v3,gpt_oss}" \
+    --seconds-per-case 1.5 --min-reps 5 --out "$out"
+
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "every step passed"
