@@ -155,3 +155,34 @@ def experts_flops_per_choice(experts: torch.nn.Module) -> int:
     """FLOPs of one (token, expert) pair: the up and down projections' multiply-adds."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     return 2 * (up.shape[1] * up.shape[2] + experts.down_proj.shape[1] * experts.down_proj.shape[2])
+
+
+def case_inputs(block: Block, tokens: int, train: bool) -> tuple:
+    """(x, indices, weights, grad) for one case on the block's device: random tokens (seeded by
+    `tokens`), the block's own routing of them, and a random output gradient."""
+    experts = block.experts
+    hidden = experts.down_proj.shape[1 if not experts.is_transposed else 2]
+    dtype, device = experts.down_proj.dtype, experts.down_proj.device
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device).requires_grad_(train)
+    with torch.no_grad():
+        indices, weights = block.router(x)
+    grad = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device)
+    return x, indices, weights.detach(), grad
+
+
+def experts_call(block: Block, backend: str, x, indices, weights, train: bool, grad) -> Callable[[], None]:
+    """One call of the block's experts module under experts implementation `backend`: forward
+    without autograd, or forward and backward (gradients reset first) when `train`."""
+    def run():
+        block.config._experts_implementation = backend
+        if train:
+            for p in block.experts.parameters():
+                p.grad = None
+            x.grad = None
+            y = block.experts(x, indices, weights)
+            y.backward(grad)
+        else:
+            with torch.no_grad():
+                block.experts(x, indices, weights)
+    return run

@@ -12,30 +12,13 @@ from typing import List, Optional, Sequence
 import torch
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _hf_blocks import FAMILIES, build_block, tutel_backend_name
+from _hf_blocks import FAMILIES, build_block, case_inputs, experts_call, tutel_backend_name
 from _limits import synchronized
 
 
 def profile_case(block, backend: str, tokens: int, train: bool, device: torch.device, rows: int) -> str:
-    hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
-    dtype = block.experts.down_proj.dtype
-    generator = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device).requires_grad_(train)
-    with torch.no_grad():
-        indices, weights = block.router(x)
-    grad = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device)
-
-    def call():
-        block.config._experts_implementation = backend
-        if train:
-            for p in block.experts.parameters():
-                p.grad = None
-            x.grad = None
-            y = block.experts(x, indices, weights)
-            y.backward(grad)
-        else:
-            with torch.no_grad():
-                block.experts(x, indices, weights)
+    x, indices, weights, grad = case_inputs(block, tokens, train)
+    call = experts_call(block, backend, x, indices, weights, train, grad)
     call = synchronized(call, device)
     for _ in range(3):
         call()
@@ -51,7 +34,8 @@ def profile_case(block, backend: str, tokens: int, train: bool, device: torch.de
     launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC")) / 5
     syncs = sum(e.count for e in averages if "Synchronize" in e.key or e.key == "cudaMemcpyAsync") / 5
-    header = (f"--- {block.name} {str(dtype).replace('torch.', '')} {'fwd+bwd' if train else 'fwd'} T={tokens} "
+    dtype = str(block.experts.down_proj.dtype).replace("torch.", "")
+    header = (f"--- {block.name} {dtype} {'fwd+bwd' if train else 'fwd'} T={tokens} "
               f"backend={backend}: {launches:g} kernel launches, {syncs:g} synchronisations/copies per call")
     return header + "\n" + averages.table(sort_by=sort, row_limit=rows)
 
@@ -66,10 +50,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--train-tokens", default="", help="forward+backward token counts")
     parser.add_argument("--backends", default="tutel,grouped_mm")
     parser.add_argument("--rows", type=int, default=25, help="operators shown per table")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (_hf_blocks.SMOKE_SIZES)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     tutel_backend_name()  # registers tutel's experts implementation
-    block = build_block(args.family, getattr(torch, args.dtype), False, device=args.device, full_size=args.full_size)
+    block = build_block(args.family, getattr(torch, args.dtype), args.smoke, device=args.device,
+                        full_size=args.full_size)
     cases: List[tuple] = [(int(t), False) for t in args.tokens.split(",") if t]
     cases += [(int(t), True) for t in args.train_tokens.split(",") if t]
     for tokens, train in cases:

@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from _common import format_table, interleaved_medians, load_average, parse_args, write_result
-from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, experts_flops_per_choice, experts_weight_bytes, moe_layer_like,
-                        tutel_backend_name)
+from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, case_inputs, experts_call, experts_flops_per_choice,
+                        experts_weight_bytes, moe_layer_like, tutel_backend_name)
 from _limits import LimitProbes, measure_limits, synchronized
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
@@ -40,21 +40,6 @@ SMOKE_FORWARD_TOKENS, SMOKE_TRAIN_TOKENS = (5,), (7,)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BATCHED_MM_MAX_BYTES = 2 << 30  # batched_mm gathers one weight copy per (token, expert) pair
 SECONDS_PER_CASE = 6.0  # the repetitions of a case are cut to about this much time
-
-
-def _experts_call(block, backend: str, x, indices, weights, train: bool, grad) -> Callable[[], None]:
-    def run():
-        block.config._experts_implementation = backend
-        if train:
-            for p in block.experts.parameters():
-                p.grad = None
-            x.grad = None
-            y = block.experts(x, indices, weights)
-            y.backward(grad)
-        else:
-            with torch.no_grad():
-                block.experts(x, indices, weights)
-    return run
 
 
 def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
@@ -97,20 +82,14 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
                  max_reps: int, min_reps: int = 1, seconds: float = SECONDS_PER_CASE) -> Dict[str, object]:
     dtype = DTYPES[dtype_name]
     device = block.experts.down_proj.device
-    hidden = block.experts.down_proj.shape[1 if not block.experts.is_transposed else 2]
-    generator = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device).requires_grad_(train)
-    with torch.no_grad():
-        indices, weights = block.router(x)
-    weights = weights.detach()
-    grad = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device)
+    x, indices, weights, grad = case_inputs(block, tokens, train)
     k = indices.shape[1]
     up = block.experts.gate_up_proj
     gathered = tokens * k * sum(p[0].numel() * p.element_size() for p in block.experts.parameters())
     backends = [b for b in TRANSFORMERS_BACKENDS if b != "batched_mm" or gathered * (3 if train else 1)
                 <= BATCHED_MM_MAX_BYTES]
-    candidates = {b: _experts_call(block, b, x, indices, weights, train, grad) for b in backends}
-    candidates["tutel"] = _experts_call(block, ours, x, indices, weights, train, grad)
+    candidates = {b: experts_call(block, b, x, indices, weights, train, grad) for b in backends}
+    candidates["tutel"] = experts_call(block, ours, x, indices, weights, train, grad)
     if layer is not None:
         candidates["moe_layer"] = _layer_call(layer, x, train, grad)
     candidates = {name: synchronized(fn, device) for name, fn in candidates.items()}

@@ -40,7 +40,47 @@ def test_smoke_run_writes_json(tmp_path):
         assert row["limit_ms"] > 0 and row["tutel/limit"] > 0
         # moe_layer holds the weights of the plain SwiGLU families only (gpt-oss clamps its gate).
         assert ("moe_layer_ms" in row) == (row["family"] != "gpt_oss")
+        # tutel's output against the eager backend's, both in the case's dtype
+        assert row["tutel_vs_eager"] < (1e-5 if row["dtype"] == "float32" else 3e-2), row
     assert returned["rows"] == rows
+
+
+def test_gpu_result_gets_its_own_report_section(tmp_path):
+    """A run saved as 'transformers_moe_cuda' (what --device cuda writes) appears under "On a GPU"
+    with the device name and without the --out directory in its command (here a CPU run stands in)."""
+    import importlib
+    import torch
+    threads = torch.get_num_threads()
+    benchmark = load_benchmark()
+    try:
+        benchmark.main(["--smoke", "--threads", "1", "--out", str(tmp_path), "--families", "qwen3_moe",
+                        "--dtypes", "bfloat16", "--result-name", "transformers_moe_cuda"])
+        importlib.import_module("dropless").main(["--smoke", "--threads", "1", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    report = importlib.import_module("report")
+    text = report.main(["--results", str(tmp_path), "--doc", str(tmp_path / "performance.md"),
+                        "--images", str(tmp_path / "images")])
+    section = text[text.index("## On a GPU"):]
+    assert "| qwen3_moe | bfloat16 |" in section and "tutel_vs_eager" in section
+    assert "--out" not in section[section.index("Command:"):]
+
+
+def test_profile_script_prints_a_table_per_backend_and_case(capsys):
+    sys.path.insert(0, BENCHMARKS_DIR)
+    import importlib
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        importlib.import_module("profile_experts").main(["--smoke", "--family", "mixtral", "--tokens", "3",
+                                                         "--train-tokens", "4", "--rows", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    for case in ("fwd T=3", "fwd+bwd T=4"):
+        for backend in ("tutel", "grouped_mm"):
+            assert f"mixtral bfloat16 {case} backend={backend}:" in out
+    assert "Self CPU time total" in out
 
 
 def test_separate_16bit_run_has_its_own_json_and_report_section(tmp_path):

@@ -78,20 +78,23 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
 
 
 def _plan_routing_by_sort(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """plan_routing with tensor operations (any device)."""
+    """plan_routing with tensor operations (any device).  Each operation is a kernel launch on a
+    GPU, where a decoding step is launch-bound: scalars instead of filled tensors, in-place masks
+    and int32 slots made directly keep it to about a dozen."""
     tokens, k = expert_ids.shape
     ids = expert_ids.reshape(-1).long()
     total = ids.numel()
-    valid = (ids >= 0) & (ids < num_experts)
-    key = torch.where(valid, ids, torch.full_like(ids, num_experts))
+    dropped = (ids < 0) | (ids >= num_experts)
+    key = ids.masked_fill(dropped, num_experts)
     sorted_ids, order = torch.sort(key, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add(0, key, torch.ones_like(key))[:num_experts]
-    slot = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=ids.device))
-    slot = torch.where(valid, slot, torch.full_like(slot, total))
-    locations = slot.view(tokens, k).t().to(torch.int32).contiguous()
+    counts = counts.index_add_(0, key, torch.ones((), dtype=torch.int64, device=ids.device).expand(total))
+    counts = counts[:num_experts]
+    slot = torch.empty(total, dtype=torch.int32, device=ids.device)
+    slot.scatter_(0, order, torch.arange(total, dtype=torch.int32, device=ids.device))
+    locations = slot.masked_fill_(dropped, total).view(tokens, k).t().contiguous()
     return RoutingPlan(torch.zeros_like(locations), locations, order, sorted_ids, counts,
-                       counts.cumsum(0).to(torch.int32))
+                       counts.cumsum(0, dtype=torch.int32))
 
 
 class _ExpertsCall(NamedTuple):
