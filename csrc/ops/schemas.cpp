@@ -56,6 +56,8 @@ TORCH_LIBRARY(tutel, m) {
   // out[i] = x[index[i]] for x [N, M], index [n] (torch.index_select(x, 0, index) into a buffer
   // of the CPU block cache).  CPU only.
   m.def("select_rows(Tensor x, Tensor index) -> Tensor");
+  // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
+  m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and
   // its backward's d gate and d up.  CPU only.
   m.def("gated_unit_pair(Tensor gate, Tensor up, float alpha, float up_offset, float? limit) -> Tensor");

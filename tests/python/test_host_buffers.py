@@ -153,6 +153,36 @@ def test_select_rows_on_a_reused_block(index_dtype):
     assert torch.ops.tutel.select_rows(x, index[:0]).shape == (0, 263)
 
 
+@pytest.mark.parametrize("source,target", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                           (torch.float32, torch.bfloat16), (torch.float64, torch.float32)])
+def test_to_dtype_on_a_reused_block(source, target):
+    """Bit for bit what x.to(dtype) gives (also from a transposed view), contiguous, in a reused block."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(700, 1031, generator=gen, dtype=torch.float64).to(source)
+    for view in (x, x.t()):
+        out = run_on_poisoned_block(lambda: torch.ops.tutel.to_dtype(view, target))
+        assert out.dtype == target and out.shape == view.shape and out.is_contiguous()
+        assert torch.equal(out, view.to(target))
+    assert torch.ops.tutel.to_dtype(x[:0], target).shape == (0, 1031)
+
+
+def test_widened_converts_without_autograd_only():
+    """tutel.ops.precision.widened: the cached conversion for eager tensors without autograd, the
+    ordinary (differentiable) one otherwise, and the tensor itself when it has the dtype."""
+    from tutel.ops.precision import widened
+    x = torch.randn(600, 700).bfloat16()
+    hits = cached_buffer_stats()["hits"]
+    first = widened(x, torch.float32)
+    del first
+    again = widened(x, torch.float32)
+    assert torch.equal(again, x.float()) and cached_buffer_stats()["hits"] > hits
+    leaf = x.clone().requires_grad_()
+    wide = widened(leaf, torch.float32)
+    wide.sum().backward()
+    assert leaf.grad is not None and torch.equal(leaf.grad, torch.ones_like(x))
+    assert widened(x, torch.bfloat16) is x
+
+
 def test_select_rows_refuses_bad_arguments():
     with pytest.raises(ValueError, match="index"):
         torch.ops.tutel.select_rows(torch.randn(4, 3), torch.tensor([0.0, 1.0]))
@@ -201,6 +231,11 @@ def test_environment_sets_the_limit():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "12345"
+
+
+def test_to_dtype_passes_opcheck():
+    torch.library.opcheck(torch.ops.tutel.to_dtype.default, (torch.randn(7, 5).bfloat16(), torch.float32),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_select_rows_passes_opcheck():

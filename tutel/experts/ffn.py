@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..ops import expert_linear
 from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.precision import widened
 from ._grouped import flatten_features, run_padded
 
 
@@ -124,7 +125,7 @@ class FusedExpertsNetwork(torch.nn.Module):
         `row_bytes` is one row's hidden activations.  None with SKIP_EXPERT (the identity)."""
         if self.skip_expert:
             return None
-        fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else p.to(dtype) for p in self.weights_for(ctx))
+        fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else widened(p, dtype) for p in self.weights_for(ctx))
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
             h = grouped_rows_mm(rows, fc1_w, plan.offsets, bias=fc1_b)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ..ops import expert_linear
 from ..ops.gated_units import SWIGLU, gated_unit_pair
 from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.precision import widened
 from ._grouped import flatten_features, run_padded
 
 
@@ -82,7 +83,7 @@ class LlamaFFNNetwork(torch.nn.Module):
         """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
         ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;
         `row_bytes` is one row's gate and up intermediates."""
-        w1, w2, w3 = (w.to(dtype) for w in self.full_weights(ctx))
+        w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
             gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True)

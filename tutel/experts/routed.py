@@ -46,7 +46,7 @@ from ..impls.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, gated_unit
 from ..ops.grouped_mm import grouped_rows_mm
-from ..ops.precision import gemm_dtype
+from ..ops.precision import gemm_dtype, widened
 from ..ops.tracing import eager_without_grad
 
 SWIGLU = "swiglu"
@@ -306,7 +306,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         x = x.to(up_weight.dtype)
     wide = gemm_dtype(up_weight.dtype, x.device, expert_ids.numel() / up_weight.shape[0])
     if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
-        x, up_weight, down_weight = x.to(wide), up_weight.to(wide), down_weight.to(wide)
+        x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)

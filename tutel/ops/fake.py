@@ -96,3 +96,8 @@ def _gated_unit_pair_backward(grad, gate, up, alpha, up_offset, limit):
 @register_fake("tutel::select_rows")
 def _select_rows(x, index):
     return x.new_empty((index.shape[0], x.shape[1]))
+
+
+@register_fake("tutel::to_dtype")
+def _to_dtype(x, dtype):
+    return x.new_empty(x.shape, dtype=dtype)

@@ -10,6 +10,8 @@ the 16-bit GEMM's only by its rounding: both accumulate in float32.
 """
 import torch
 
+from .tracing import eager_without_grad
+
 # Rows per expert from which float32 GEMMs (plus converting the weights) beat 16-bit ones on a
 # CPU without native 16-bit dot products (measured: 16 rows lose, 256 rows win by 4x).
 UPCAST_MIN_ROWS_PER_EXPERT = 32
@@ -38,3 +40,15 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device, rows_per_expert: float)
     if rows_per_expert < UPCAST_MIN_ROWS_PER_EXPERT or cpu_has_native(dtype):
         return dtype
     return torch.float32
+
+
+def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` (the dtype gemm_dtype chose).  Eager CPU tensors without autograd convert into a
+    buffer of tutel's block cache (``tutel::to_dtype``): widening 16-bit expert weights makes
+    hundreds of MB per call, and a fresh tensor of that size costs more in page faults than the
+    conversion itself (Mixtral-like experts: 130 ms against 18 ms).  Elsewhere ``t.to(dtype)``."""
+    if t.dtype == dtype:
+        return t
+    if t.device.type == "cpu" and eager_without_grad(t):
+        return torch.ops.tutel.to_dtype(t, dtype)
+    return t.to(dtype)
