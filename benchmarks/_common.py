@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -120,7 +121,11 @@ class Medians(dict):
 
 
 def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> Medians:
-    """Median seconds per call of each candidate; every round runs each candidate once, in turn.
+    """Median seconds per call of each candidate; every round runs each candidate once, in an order
+    shuffled for each round (seeded, so runs repeat): a candidate that leaves a cost behind (a
+    multi-GB buffer freed, caches flushed) does not always hand it to the same successor.  (Mixtral-like
+    T = 16 in transformers_moe.py: the candidate after batched_mm, which gathers GBs of weight
+    copies, measured 22.8 ms where it takes 13 ms alone.)
 
     The warm-up rounds also let the allocator's heap grow to what the candidates need together."""
     for _ in range(warmup):
@@ -128,9 +133,13 @@ def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, 
             fn()
     samples: Dict[str, List[float]] = {name: [] for name in candidates}
     faults: Dict[str, List[int]] = {name: [] for name in candidates}
+    order = list(candidates)
+    shuffler = random.Random(0)
     with ForeignLoad() as foreign:
         for _ in range(reps):
-            for name, fn in candidates.items():
+            shuffler.shuffle(order)
+            for name in order:
+                fn = candidates[name]
                 faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 fn()

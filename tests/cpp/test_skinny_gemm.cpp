@@ -22,7 +22,10 @@ struct Case {
 
 const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 33, 16},
                        {5, 64, 65}, {2, 100, 31}, {7, 48, 130}, {4, 8, 9}, {3, 70, 600},
-                       {1, 70, 600}, {2, 9, 300}};
+                       {1, 70, 600}, {2, 9, 300},
+                       // long matrix rows (4 of them over 16 KiB in every type): the 2 x 4 blocks from 4 rows, odd
+                       // row and output counts, a k tail
+                       {3, 2100, 5}, {4, 2067, 6}, {7, 4099, 9}, {9, 2048, 3}};
 
 template <class T>
 void check_kernel(SkinnyKernel<T> kernel, WeightLayout layout, const Case& c, bool with_bias, std::mt19937& rng) {
