@@ -26,21 +26,6 @@ def _best_seconds(fn, reps: int) -> float:
     return best
 
 
-def gemm_rate(dtype: torch.dtype, smoke: bool = False, reps: int = 5) -> float:
-    """FLOP/s of a [4096, 1024] x [1024, 1024]^T product (best of `reps`; smaller when smoke)."""
-    m, k, n = (256, 128, 128) if smoke else (4096, 1024, 1024)
-    a = torch.randn(m, k).to(dtype)
-    b = torch.randn(n, k).to(dtype)
-    return 2.0 * m * n * k / _best_seconds(lambda: F.linear(a, b), reps)
-
-
-def read_bandwidth(smoke: bool = False, reps: int = 5, cache_bytes: int = 32 << 20) -> float:
-    """Bytes/s of reading a float32 buffer of 8x the last-level cache (`cache_bytes`) once."""
-    numel = (1 << 16) if smoke else 8 * cache_bytes // 4
-    buffer = torch.ones(numel)
-    return numel * 4 / _best_seconds(lambda: buffer.sum(), reps)
-
-
 def last_level_cache_bytes() -> int:
     """The largest cache size reported by the OS (32 MiB if it cannot be read)."""
     import glob
@@ -56,20 +41,16 @@ def last_level_cache_bytes() -> int:
 
 
 def measure_limits(dtypes, smoke: bool, device: str = "cpu") -> Dict[str, float]:
-    """{'gemm_gflops_<dtype>': ..., 'read_gbps': ...} for the dtypes under test, on `device`."""
-    if torch.device(device).type == "cuda":
-        limits = {}
-        for dtype in dtypes:
-            probes = LimitProbes(dtype, smoke, device)
-            calls = probes.candidates()
-            times = {name: _best_seconds(fn, 5) for name, fn in calls.items()}
-            rates = probes.rates(times)
-            limits[f"gemm_gflops_{str(dtype).replace('torch.', '')}"] = rates["gemm_flops"] / 1e9
-            limits["read_gbps"] = rates["read_bytes"] / 1e9
-            del probes
-        return limits
-    limits = {f"gemm_gflops_{str(dtype).replace('torch.', '')}": gemm_rate(dtype, smoke) / 1e9 for dtype in dtypes}
-    limits["read_gbps"] = read_bandwidth(smoke, cache_bytes=last_level_cache_bytes()) / 1e9
+    """{'gemm_gflops_<dtype>': ..., 'read_gbps': ...} for the dtypes under test, on `device`: the
+    probes of LimitProbes, each timed alone (best of 5)."""
+    limits = {}
+    for dtype in dtypes:
+        probes = LimitProbes(dtype, smoke, device)
+        calls = probes.candidates()
+        limits[f"gemm_gflops_{str(dtype).replace('torch.', '')}"] = probes.flops / _best_seconds(calls["gemm_probe"],
+                                                                                                  5) / 1e9
+        if "read_gbps" not in limits:  # the read does not depend on the dtype
+            limits["read_gbps"] = probes.bytes / _best_seconds(calls["read_probe"], 5) / 1e9
     return limits
 
 

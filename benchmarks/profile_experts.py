@@ -22,14 +22,12 @@ def profile_case(block, backend: str, tokens: int, train: bool, device: torch.de
     call = synchronized(call, device)
     for _ in range(3):
         call()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    on_gpu = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(5):
             call()
     averages = prof.key_averages()
-    on_gpu = device.type == "cuda"
     sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC")) / 5

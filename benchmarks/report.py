@@ -8,6 +8,7 @@ Needs matplotlib for the plots.
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -414,6 +415,12 @@ eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large 
 and the active weights' bytes at the read bandwidth, both measured as interleaved candidates."""
 
 
+def gemm_rates(limits: Dict[str, float], unit: str = "GFLOP/s", scale: float = 1.0) -> str:
+    """'float32 GEMM 183 GFLOP/s, bfloat16 GEMM 21 GFLOP/s' from a run's measured limits."""
+    return ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value / scale:.0f} {unit}"
+                     for key, value in limits.items() if key.startswith("gemm_gflops_"))
+
+
 def grouped_gemm_section(result: dict) -> str:
     m = result["machine"]
     return ("## Grouped expert products\n\n" + GROUPED_GEMM_INTRO + "\n\n"
@@ -423,8 +430,7 @@ def grouped_gemm_section(result: dict) -> str:
 
 def transformers_section(result: dict, picture: str = "") -> str:
     m, limits = result["machine"], result["limits"]
-    rates = ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value:.0f} GFLOP/s" for key, value in limits.items()
-                      if key.startswith("gemm_gflops_"))
+    rates = gemm_rates(limits)
     flags = result.get("cpu_flags")
     foreign = max((row.get("foreign_cpus") or 0) for row in result["rows"]) if result["rows"] else 0
     warning = ""
@@ -470,13 +476,11 @@ reads them); the fused gated kernel and fewer launches at small T are open (docs
 
 def gpu_section(results: Dict[str, dict]) -> str:
     """The GPU runs: transformers' blocks at full size, and tutel's CUDA kernels against a copy."""
-    import re
     parts = ["## On a GPU", GPU_INTRO]
     moe = results.get("transformers_moe_cuda")
     if moe:
         m = moe["machine"]
-        rates = ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value / 1e3:.0f} TFLOP/s"
-                          for key, value in moe["limits"].items() if key.startswith("gemm_gflops_"))
+        rates = gemm_rates(moe["limits"], "TFLOP/s", 1e3)
         command = re.sub(r" --out \S+", "", moe.get("command", ""))
         columns = [c for c in moe["columns"] if c != "foreign_cpus"]
         parts.append(f"Measured on: {moe.get('device_name')} (host: {m['cpu']}, {m['logical_cpus']} logical CPUs); "
@@ -571,8 +575,7 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
         parts.append("### 16-bit cases at large T (a separate run)\n\n"
                      "The same measurement for the 16-bit cases the run above skips, finished "
                      f"{large['finished']}: `{large.get('command')}`.  Rates before the cases: "
-                     + ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value:.0f} GFLOP/s"
-                                 for key, value in large["limits"].items() if key.startswith("gemm_gflops_"))
+                     + gemm_rates(large["limits"])
                      + f", read {large['limits']['read_gbps']:.1f} GB/s.\n\n"
                      + format_table(large["rows"], large["columns"]))
     if results.get("grouped_gemm"):

@@ -6,8 +6,9 @@
 #
 #   bash benchmarks/run_on_gpu.sh [DIR]
 #
-# Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++), TUTEL_GPU_TEST_SECONDS (default 200),
-# TUTEL_GPU_BENCH_SECONDS (default 170), TUTEL_GPU_FAMILIES (transformers_moe --families).
+# Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++),
+# TUTEL_GPU_TEST_SECONDS (default 200), TUTEL_GPU_BENCH_SECONDS (default 170), TUTEL_GPU_FAMILIES
+# (transformers_moe --families).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-build/gpu_run}"

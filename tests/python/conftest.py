@@ -54,3 +54,12 @@ def device_grouped_mm_path(monkeypatch):
             out[int(offs[-1]):] = float("nan")
         return out
     monkeypatch.setattr(F, "grouped_mm", unwritten_tail)
+
+
+@pytest.fixture
+def no_native_16bit(monkeypatch):
+    """Makes tutel.ops.precision treat this CPU as one without 16-bit dot products, so 16-bit
+    expert GEMMs with enough rows per expert run in float32 (the widened path) on any CPU."""
+    import tutel.ops.precision as precision
+    monkeypatch.setitem(precision._NATIVE, torch.bfloat16, False)
+    monkeypatch.setitem(precision._NATIVE, torch.float16, False)

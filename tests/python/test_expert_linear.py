@@ -46,6 +46,22 @@ def compare_with_reference(x, weight, bias, group_rows, weight_transposed, dtype
             torch.testing.assert_close(got.grad.double(), expected.grad, **tol)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bfloat16_widened_without_autograd_matches_reference(no_native_16bit, grouped):
+    """40 rows per expert: the product runs in float32 with the operands widened into reused
+    buffers (no autograd), and still equals the float64 reference to bfloat16's rounding."""
+    experts, rows, inputs, outputs = 3, 40, 24, 10
+    x = torch.randn(experts * rows, inputs).bfloat16() if grouped else torch.randn(experts, rows, inputs).bfloat16()
+    weight, bias = make_weights(experts, inputs, outputs, False, True, torch.bfloat16)
+    group_rows = [rows] * experts if grouped else None
+    with torch.no_grad():
+        y = expert_linear(x, weight, bias, group_rows=group_rows)
+    x64, w64, b64 = (t.detach().double() for t in (x, weight, bias))
+    y64 = reference_grouped(x64.reshape(-1, inputs), w64, b64, [rows] * experts, False).reshape(y.shape)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), y64, **tolerance(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("weight_transposed", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])

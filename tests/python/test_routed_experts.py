@@ -167,11 +167,21 @@ def test_low_precision(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_low_precision_with_many_rows_per_expert(dtype, transposed):
+def test_low_precision_with_many_rows_per_expert(no_native_16bit, dtype, transposed):
     # 70 tokens x 2 choices over 3 experts: enough rows per expert that a CPU without 16-bit dot
-    # products runs the GEMMs in float32 (tutel.ops.precision).
+    # products runs the GEMMs in float32 (tutel.ops.precision), with autograd (.to) and without
+    # (the weights widened into reused buffers).
     case = make_case(70, 32, 16, 32, 3, 2, True, transposed, True, False, dtype, seed=12)
     run_and_compare(case, transposed, True, dtype)
+    x, ids, weights, up, down, up_bias, down_bias = case
+    with torch.no_grad():
+        y = routed_experts(x, ids, weights, up, down, up_bias=up_bias, down_bias=down_bias, transposed=transposed,
+                           gate="swiglu")
+    leaves = [t.detach().double() for t in (x, weights, up, down, up_bias, down_bias)]
+    ref = reference(leaves[0], ids, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], transposed, True)
+    rtol, atol = TOLERANCE[dtype]
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
 
 
 def test_gemm_dtype_rule():

@@ -18,7 +18,7 @@ from ..impls.autocast import autocast_dtype, without_autocast
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
-from .precision import gemm_dtype
+from .precision import gemm_dtype, widened
 from .tracing import eager_without_grad
 
 
@@ -116,8 +116,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             # The operands are already autocast's; with autocast on, the float32 call would cast
             # them straight back to 16 bits (and recurse).
             with without_autocast(x.device.type):
-                out = expert_linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide),
-                                    weight_transposed, group_rows)
+                out = expert_linear(widened(x, wide), widened(weight, wide),
+                                    None if bias is None else widened(bias, wide), weight_transposed, group_rows)
             return out.to(out_dtype)
     if group_rows is None:
         require_dim(x, 3, "x", where)
