@@ -56,6 +56,16 @@ TORCH_LIBRARY(tutel, m) {
   // out[i] = x[index[i]] for x [N, M], index [n] (torch.index_select(x, 0, index) into a buffer
   // of the CPU block cache).  CPU only.
   m.def("select_rows(Tensor x, Tensor index) -> Tensor");
+  // The gate-weighted sum of each token's routed gated experts, without autograd:
+  //   out[t] = sum_j weights[t, j] * down_e(unit(up_e(x[t]))),  e = expert_ids[t, j] in [0, E)
+  // with up_e(v) = v @ up_weight[e]^T + up_bias[e] (up_weight [E, 2I, H]; transposed: [E, H, 2I]
+  // and v @ up_weight[e]), down_e likewise (down_weight [E, O, I] or [E, I, O]) and unit the gated
+  // unit of gated_unit.  weights None counts 1; ids outside [0, E) contribute nothing.  Returns
+  // [T, O] in x's dtype (every weight tensor has it too).  CPU only.
+  m.def(
+      "routed_gated_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
+      "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
+      "bool interleaved) -> Tensor");
   // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
   m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tutel.experts import routed_experts
+from tutel.ops.gated_units import SWIGLU, GatedUnit
 
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-4, 2e-5),
              torch.bfloat16: (4e-2, 4e-2), torch.float16: (4e-3, 4e-3)}
@@ -15,8 +16,16 @@ def linear(v, weight, bias, transposed):
     return out if bias is None else out + bias
 
 
-def reference(x, ids, weights, up, down, up_bias, down_bias, transposed, gated, post_fn=None):
-    """Token by token, choice by choice, in float64."""
+def gated_reference(h, unit):
+    """The gated unit on one float64 row [2I] (concatenated or alternating gate and up values)."""
+    gate, up = (h[0::2], h[1::2]) if unit.interleaved else h.chunk(2)
+    if unit.limit is not None:
+        gate, up = gate.clamp(max=unit.limit), up.clamp(-unit.limit, unit.limit)
+    return (up + unit.up_offset) * gate * torch.sigmoid(unit.alpha * gate)
+
+
+def reference(x, ids, weights, up, down, up_bias, down_bias, transposed, gated, post_fn=None, unit=None):
+    """Token by token, choice by choice, in float64 (`unit`: a GatedUnit instead of silu(gate) * up)."""
     x, weights, up, down = (t.double() if t is not None else None for t in (x, weights, up, down))
     up_bias, down_bias = (t.double() if t is not None else None for t in (up_bias, down_bias))
     num_experts = up.shape[0]
@@ -28,7 +37,9 @@ def reference(x, ids, weights, up, down, up_bias, down_bias, transposed, gated, 
             if not 0 <= e < num_experts:
                 continue
             h = linear(x[t], up[e], None if up_bias is None else up_bias[e], transposed)
-            if gated:
+            if unit is not None:
+                h = gated_reference(h, unit)
+            elif gated:
                 half = h.shape[0] // 2
                 h = h[:half] * torch.sigmoid(h[:half]) * h[half:]
             else:
@@ -281,3 +292,137 @@ def test_pieces_with_every_choice_dropped(monkeypatch):
     with torch.no_grad():
         y = routed_experts(x, torch.full_like(ids, 5), weights, up, down, gate="swiglu")
     assert y.shape == (23, 12) and not y.any()
+
+
+# ---------------------------------------------------------------- inference in one operator call
+
+# gpt-oss' rule (alpha 1.702, up + 1, interleaved) with a limit this test's values cross (gpt-oss: 7)
+CLAMPED_UNIT = GatedUnit(1.702, 1.0, 0.5, interleaved=True)
+
+
+def run_without_grad(case, transposed, dtype, unit=SWIGLU, use_weights=True, ids=None):
+    """routed_experts under no_grad (on CPU: one call of tutel's routed_gated_experts operator)
+    against the float64 reference."""
+    x, case_ids, weights, up, down, up_bias, down_bias = case
+    ids = case_ids if ids is None else ids
+    weights = weights if use_weights else None
+    with torch.no_grad():
+        y = routed_experts(x, ids, weights, up, down, up_bias=up_bias, down_bias=down_bias, transposed=transposed,
+                           gate=unit)
+    assert y.dtype == dtype and y.shape == (x.shape[0], down.shape[2] if transposed else down.shape[1])
+    double = lambda t: None if t is None else t.detach().double()
+    ref = reference(double(x), ids, double(weights), double(up), double(down), double(up_bias), double(down_bias),
+                    transposed, True, unit=unit)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def one_call_only(monkeypatch):
+    """Fails a test whose no-grad gated call takes the step-by-step path instead of the one-call operator."""
+    import tutel.experts.routed as routed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the step-by-step inference path ran")
+    monkeypatch.setattr(routed, "combine_without_grad", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("unit", [SWIGLU, CLAMPED_UNIT], ids=["swiglu", "clamped"])
+def test_one_call_inference(one_call_only, dtype, transposed, bias, unit):
+    # odd sizes, dropped choices (ids -1 and E), an expert count where some get no token
+    case = make_case(13, 19, 7, 11, 6, 3, True, transposed, bias, True, dtype, seed=31)
+    run_without_grad(case, transposed, dtype, unit)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_one_call_inference_every_k(one_call_only, k):
+    case = make_case(9, 16, 8, 12, 9, k, True, False, True, False, torch.float32, seed=40 + k)
+    run_without_grad(case, False, torch.float32)
+
+
+@pytest.mark.parametrize("experts", [1, 2, 64, 80])
+def test_one_call_inference_expert_counts(one_call_only, experts):
+    case = make_case(5, 16, 8, 16, experts, 2, True, True, False, False, torch.float32, seed=experts)
+    run_without_grad(case, True, torch.float32, use_weights=False)
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_one_call_inference_empty_and_single_token(one_call_only, tokens):
+    case = make_case(tokens, 16, 8, 16, 4, 2, True, False, True, False, torch.float32, seed=tokens)
+    run_without_grad(case, False, torch.float32)
+
+
+def test_one_call_inference_int32_ids_and_every_choice_dropped(one_call_only):
+    case = make_case(6, 16, 8, 16, 4, 3, True, False, True, True, torch.float32, seed=3)
+    run_without_grad(case, False, torch.float32, ids=case[1].int())
+    run_without_grad(case, False, torch.float32, ids=torch.full_like(case[1], 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_call_inference_widened(no_native_16bit, one_call_only, dtype):
+    # enough rows per expert that a CPU without 16-bit dot products widens to float32 first
+    case = make_case(70, 32, 16, 32, 3, 2, True, False, True, False, dtype, seed=12)
+    run_without_grad(case, False, dtype, CLAMPED_UNIT)
+
+
+def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
+    """Gradients, gate_fn / activation experts, post_fn and more rows than a piece keep the
+    step-by-step paths."""
+    import tutel.experts.routed as routed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("routed_gated_experts ran")
+    monkeypatch.setattr(torch.ops.tutel, "routed_gated_experts", refuse)
+    case = make_case(9, 16, 8, 16, 5, 3, True, False, True, False, torch.float32, seed=8)
+    run_and_compare(case, False, True, torch.float32)  # autograd
+    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t for t in case)
+    norm = lambda o: o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for kwargs in (dict(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]),
+                   dict(gate="swiglu", post_fn=norm)):
+        y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, **kwargs)
+        ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(),
+                        False, True, kwargs.get("post_fn"))
+        torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
+    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
+    y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
+    ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(), False, True)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
+
+
+def test_one_call_operator_rejects_bad_arguments():
+    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t
+                                         for t in make_case(4, 16, 8, 12, 3, 2, True, False, True, False,
+                                                            torch.float32, 1))
+    op = torch.ops.tutel.routed_gated_experts
+    call = lambda **change: op(*{**dict(x=x, expert_ids=ids, weights=weights, up_weight=up, down_weight=down,
+                                        up_bias=ub, down_bias=db), **change}.values(), False, 1.0, 0.0, None, False)
+    torch.testing.assert_close(call().double(), reference(x.double(), ids, weights.double(), up.double(),
+                                                          down.double(), ub.double(), db.double(), False, True),
+                               rtol=2e-4, atol=2e-5)
+    for change, error, match in [
+            (dict(x=x[0]), ValueError, "`x` must be 2-D"),
+            (dict(expert_ids=ids.float()), TypeError, "`expert_ids` must hold integers"),
+            (dict(expert_ids=ids[:3]), ValueError, "`expert_ids` must be \\[T, k\\] with T = 4"),
+            (dict(weights=weights[:, :1]), ValueError, "`weights` must have the shape"),
+            (dict(up_weight=up.double()), TypeError, "`up_weight` must have dtype Float"),
+            (dict(down_weight=down[:2]), ValueError, "`down_weight` 2"),
+            (dict(up_weight=up[:, :, :15]), ValueError, "must take the 16 features of `x`"),
+            (dict(up_weight=up[:, :15]), ValueError, "twice the down projection's 8 inputs"),
+            (dict(down_bias=db[:, :5]), ValueError, "`down_bias` must be \\[3, 12\\]")]:
+        with pytest.raises(error, match=match):
+            call(**change)
+    with pytest.raises(ValueError, match="`limit` must be None or a finite number > 0"):
+        op(x, ids, weights, up, down, ub, db, False, 1.0, 0.0, -1.0, False)
+
+
+def test_one_call_operator_passes_opcheck():
+    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t
+                                         for t in make_case(5, 16, 8, 12, 4, 2, True, True, True, True,
+                                                            torch.float32, 2))
+    torch.library.opcheck(torch.ops.tutel.routed_gated_experts.default,
+                          (x, ids, weights, up, down, ub, db, True, 1.702, 1.0, 7.0, True),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -35,7 +35,8 @@ with 16-byte aligned rows, where ``torch.nn.functional.grouped_mm`` has a kernel
 back to the host; float64 and odd feature sizes run tutel's own grouped operator, which reads the
 per-expert row counts.  16-bit data on a CPU without native 16-bit dot products is multiplied in
 float32 once experts average 32 rows or more (``tutel.ops.precision``); the result keeps x's
-dtype either way.
+dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in one
+call of tutel's ``routed_gated_experts`` operator.
 """
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -44,7 +45,7 @@ import torch
 from .. import ops
 from ..impls.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
-from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, gated_unit
+from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype, widened
 from ..ops.tracing import eager_without_grad
@@ -204,6 +205,19 @@ def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
                        plan.counts, offsets)
 
 
+def _gated_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                       up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                       down_bias: Optional[torch.Tensor], transposed: bool, unit: GatedUnit) -> torch.Tensor:
+    """routed_experts for gated experts on CPU without autograd, in one call of tutel's
+    ``routed_gated_experts`` operator (the same steps as combine_without_grad with the gated unit,
+    without an operator call and its Python around each: at decoding sizes those cost a third of
+    the weights' streaming).  Returns [T, O] in x's dtype."""
+    check_unit(unit, "tutel.experts.routed_experts")
+    up_bias, down_bias = (None if b is None else b.to(x.dtype) for b in (up_bias, down_bias))
+    return torch.ops.tutel.routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
+                                                bool(transposed), *unit_scalars(unit), bool(unit.interleaved))
+
+
 def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
     """Whether a call may take combine_without_grad: `x` on CPU, eager, and no gradient to any of
     `x` and `tensors` (tutel.ops.tracing.eager_without_grad)."""
@@ -307,13 +321,17 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     wide = gemm_dtype(up_weight.dtype, x.device, expert_ids.numel() / up_weight.shape[0])
     if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
         x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
+    unit = gate_unit_of(gate)
+    lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
+    rows_per_piece = _piece_rows(up_weight, transposed)
+    if lean and unit is not None and post_fn is None and expert_ids.numel() <= rows_per_piece:
+        return _gated_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed,
+                                  unit).to(out_dtype)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
-    lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
-    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, gate_unit_of(gate), gate_fn,
-                           activation, post_fn)
+    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
     if lean:
-        return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
+        return combine_without_grad(x, weights, plan, experts, rows_per_piece).to(out_dtype)
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
     out = experts(rows, plan)
     out = out.reshape(1, total, out.shape[-1])

@@ -101,3 +101,9 @@ def _select_rows(x, index):
 @register_fake("tutel::to_dtype")
 def _to_dtype(x, dtype):
     return x.new_empty(x.shape, dtype=dtype)
+
+
+@register_fake("tutel::routed_gated_experts")
+def _routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, alpha,
+                          up_offset, limit, interleaved):
+    return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))

@@ -69,11 +69,11 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"{where}: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
                          f"(gate and up values)")
-    _check_unit(unit, where)
+    check_unit(unit, where)
     if gate_up.device.type != "cpu":
         return gated_unit_composite(gate_up, unit)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
-    args = _scalars(unit) + (bool(unit.interleaved),)
+    args = unit_scalars(unit) + (bool(unit.interleaved),)
     if eager_without_grad(gate_up):
         # Nothing to trace or differentiate: skip the custom operator's dispatch.
         hidden = torch.ops.tutel.gated_unit(rows, *args)
@@ -82,14 +82,16 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
     return hidden.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def _check_unit(unit: GatedUnit, where: str) -> None:
+def check_unit(unit: GatedUnit, where: str) -> None:
+    """ValueError (from `where`) unless the unit's parameters are finite and its limit None or > 0."""
     if not (math.isfinite(unit.alpha) and math.isfinite(unit.up_offset)) or \
             (unit.limit is not None and not (math.isfinite(unit.limit) and unit.limit > 0)):
         raise ValueError(f"{where}: {unit} is not allowed: alpha and up_offset must be finite, limit None or a "
                          f"finite number > 0")
 
 
-def _scalars(unit: GatedUnit) -> tuple:
+def unit_scalars(unit: GatedUnit) -> tuple:
+    """(alpha, up_offset, limit) as the operators take them."""
     return float(unit.alpha), float(unit.up_offset), None if unit.limit is None else float(unit.limit)
 
 
@@ -131,14 +133,14 @@ def gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit = SWIG
                          f"{(tuple(up.shape), up.dtype, up.device) if isinstance(up, torch.Tensor) else type(up)}")
     if unit.interleaved:
         raise ValueError(f"{where}: {unit} is interleaved; separate gates and ups take interleaved=False")
-    _check_unit(unit, where)
+    check_unit(unit, where)
     if gate.device.type != "cpu" or gate.dim() == 0:
         return _composite(gate, up, unit)
     gate_rows, up_rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
     if eager_without_grad(gate, up):
-        hidden = torch.ops.tutel.gated_unit_pair(gate_rows, up_rows, *_scalars(unit))
+        hidden = torch.ops.tutel.gated_unit_pair(gate_rows, up_rows, *unit_scalars(unit))
     else:
-        hidden = _gated_unit_pair(gate_rows, up_rows, *_scalars(unit))
+        hidden = _gated_unit_pair(gate_rows, up_rows, *unit_scalars(unit))
     return hidden.view(gate.shape)
 
 

@@ -10,6 +10,7 @@
 #include "../../core/gated_units.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "gated_units_cpu.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
@@ -76,6 +77,8 @@ CoreRows<T> separate_rows(const at::Tensor& gate, const at::Tensor& up, const at
                      d_up.defined() ? d_up.stride(0) : 0, gate.size(0), gate.size(1)};
 }
 
+}  // namespace
+
 at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_offset, c10::optional<double> limit,
                           bool interleaved) {
   const char* op = "gated_unit";
@@ -87,6 +90,8 @@ at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_
   });
   return out;
 }
+
+namespace {
 
 at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_up_in, double alpha,
                                    double up_offset, c10::optional<double> limit, bool interleaved) {

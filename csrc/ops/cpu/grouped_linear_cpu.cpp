@@ -20,6 +20,7 @@
 #include "../../core/work_balance.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "grouped_linear_cpu.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
@@ -194,6 +195,8 @@ void check_operands(const at::Tensor& x, const at::Tensor& weight, bool weight_t
                     weight.sizes(), (weight_transposed ? " (transposed)" : ""), " expects ", inner);
 }
 
+}  // namespace
+
 at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                               at::IntArrayRef group_rows, bool weight_transposed) {
   const char* op = "grouped_linear";
@@ -222,6 +225,8 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   run_pieces(pieces);
   return out;
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& weight, at::IntArrayRef group_rows,

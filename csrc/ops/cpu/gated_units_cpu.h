@@ -1,0 +1,14 @@
+// The CPU gated unit, for other CPU operators that run it inside one call.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace tutel {
+namespace ops {
+
+// tutel::gated_unit on CPU (schemas.cpp): gate_up [n, 2I] -> h [n, I].
+at::Tensor gated_unit_cpu(const at::Tensor& gate_up, double alpha, double up_offset, c10::optional<double> limit,
+                          bool interleaved);
+
+}  // namespace ops
+}  // namespace tutel

@@ -1,0 +1,144 @@
+// routed_gated_experts: the no-grad forward of tutel.experts.routed_experts for gated experts, in
+// one operator call.  Step by step it is six operator calls with Python between them (grouping,
+// the token rows' copy, two grouped products, the gated unit, the weighted combine), and at
+// decoding sizes their fixed costs add up to a third of the time it takes to stream the active
+// experts' weights; here the same CPU implementations run back to back in C++.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../../core/dispatch.h"
+#include "../../core/routing.h"
+#include "../checks.h"
+#include "../core_types.h"
+#include "gated_units_cpu.h"
+#include "grouped_linear_cpu.h"
+#include "reusable_buffers.h"
+
+namespace tutel {
+namespace ops {
+namespace {
+
+constexpr const char* kOp = "routed_gated_experts";
+
+// The choices of expert_ids [T, k] grouped by expert (core::group_choices_by_expert).
+struct Grouping {
+  std::vector<int32_t> locations;     // [k, T]: slot of choice (t, j), T k when dropped
+  std::vector<int64_t> slot_choices;  // [T k]: the choice t k + j in each slot
+  std::vector<int64_t> counts;        // [E]: rows of each expert
+  int64_t kept = 0;                   // the slots of ids inside [0, E): the first ones
+};
+
+Grouping group_choices(const at::Tensor& expert_ids, int64_t experts) {
+  const int64_t tokens = expert_ids.size(0), k = expert_ids.size(1);
+  Grouping g;
+  g.locations.resize(tokens * k);
+  g.slot_choices.resize(tokens * k);
+  g.counts.resize(experts);
+  std::vector<int64_t> sorted_ids(tokens * k);
+  std::vector<int32_t> ends(experts);
+  const bool narrow = expert_ids.scalar_type() == at::kInt;
+  const at::Tensor ids = narrow ? expert_ids.contiguous() : expert_ids.to(at::kLong).contiguous();
+  if (narrow) {
+    core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, g.locations.data(),
+                                  g.slot_choices.data(), sorted_ids.data(), g.counts.data(), ends.data());
+  } else {
+    core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, g.locations.data(),
+                                  g.slot_choices.data(), sorted_ids.data(), g.counts.data(), ends.data());
+  }
+  g.kept = ends[experts - 1];
+  return g;
+}
+
+void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c10::optional<at::Tensor>& weights,
+                     const at::Tensor& up_weight, const at::Tensor& down_weight,
+                     const c10::optional<at::Tensor>& up_bias, const c10::optional<at::Tensor>& down_bias,
+                     bool transposed) {
+  check_dim(x, 2, kOp, "x");
+  check_floating(x, kOp, "x");
+  check_dim(expert_ids, 2, kOp, "expert_ids");
+  TORCH_CHECK_TYPE(at::isIntegralType(expert_ids.scalar_type(), /*includeBool=*/false), "tutel::", kOp,
+                   ": `expert_ids` must hold integers, got ", expert_ids.scalar_type());
+  TORCH_CHECK_VALUE(expert_ids.size(0) == x.size(0), "tutel::", kOp, ": `expert_ids` must be [T, k] with T = ",
+                    x.size(0), " rows of `x`, got ", expert_ids.sizes());
+  TORCH_CHECK_VALUE(expert_ids.numel() < (int64_t(1) << 31), "tutel::", kOp,
+                    ": at most 2^31 - 1 choices (int32 slots), got ", expert_ids.numel());
+  if (weights.has_value()) {
+    check_floating(*weights, kOp, "weights");
+    TORCH_CHECK_VALUE(weights->sizes() == expert_ids.sizes(), "tutel::", kOp,
+                      ": `weights` must have the shape of `expert_ids` ", expert_ids.sizes(), ", got ",
+                      weights->sizes());
+  }
+  check_dim(up_weight, 3, kOp, "up_weight");
+  check_dim(down_weight, 3, kOp, "down_weight");
+  check_dtype(up_weight, x.scalar_type(), kOp, "up_weight");
+  check_dtype(down_weight, x.scalar_type(), kOp, "down_weight");
+  const int64_t experts = up_weight.size(0);
+  TORCH_CHECK_VALUE(experts >= 1 && down_weight.size(0) == experts, "tutel::", kOp, ": `up_weight` holds ", experts,
+                    " experts and `down_weight` ", down_weight.size(0), "; both must hold the same number >= 1");
+  // [E, U, H] and [E, O, I] (F.linear layout), or [E, H, U] and [E, I, O] when transposed.
+  const int64_t up_in = transposed ? up_weight.size(1) : up_weight.size(2);
+  const int64_t up_out = transposed ? up_weight.size(2) : up_weight.size(1);
+  const int64_t down_in = transposed ? down_weight.size(1) : down_weight.size(2);
+  const int64_t down_out = transposed ? down_weight.size(2) : down_weight.size(1);
+  TORCH_CHECK_VALUE(up_in == x.size(1), "tutel::", kOp, ": `up_weight` ", up_weight.sizes(),
+                    (transposed ? " ([E, H, U])" : " ([E, U, H])"), " must take the ", x.size(1), " features of `x`");
+  TORCH_CHECK_VALUE(up_out == 2 * down_in, "tutel::", kOp, ": the up projection's ", up_out,
+                    " outputs must be twice the down projection's ", down_in, " inputs (gate and up values)");
+  for (const auto& [name, bias, width] :
+       {std::make_tuple("up_bias", up_bias, up_out), std::make_tuple("down_bias", down_bias, down_out)}) {
+    if (!bias.has_value()) continue;
+    check_dtype(*bias, x.scalar_type(), kOp, name);
+    TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == width, "tutel::", kOp, ": `",
+                      name, "` must be [", experts, ", ", width, "], got ", bias->sizes());
+  }
+  for (const at::Tensor& t : {expert_ids, up_weight, down_weight})
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "tutel::", kOp, ": every tensor must be on the CPU, got one on ", t.device());
+}
+
+at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& expert_ids,
+                                    const c10::optional<at::Tensor>& weights, const at::Tensor& up_weight,
+                                    const at::Tensor& down_weight, const c10::optional<at::Tensor>& up_bias,
+                                    const c10::optional<at::Tensor>& down_bias, bool transposed, double alpha,
+                                    double up_offset, c10::optional<double> limit, bool interleaved) {
+  check_arguments(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed);
+  const int64_t tokens = x.size(0), k = expert_ids.size(1);
+  const int64_t outputs = transposed ? down_weight.size(2) : down_weight.size(1);
+  const Grouping g = group_choices(expert_ids, up_weight.size(0));
+  // The token row of every kept slot, in slot order.
+  at::Tensor token_of_slot = at::empty({g.kept}, x.options().dtype(at::kLong));
+  int64_t* token = token_of_slot.data_ptr<int64_t>();
+  for (int64_t s = 0; s < g.kept; ++s) token[s] = g.slot_choices[s] / k;
+  at::Tensor rows = empty_reusable({g.kept, x.size(1)}, x.options());
+  at::index_select_out(rows, x, 0, token_of_slot);
+  // grouped_linear's flag says the matrices are [O, K]: the F.linear layout, transposed = false.
+  const at::Tensor hidden = grouped_linear_cpu(
+      gated_unit_cpu(grouped_linear_cpu(rows, up_weight, up_bias, g.counts, !transposed), alpha, up_offset, limit,
+                     interleaved),
+      down_weight, down_bias, g.counts, !transposed);
+  // The weighted sum per token: the kept slots form one "expert" of capacity `kept` (dropped
+  // choices sit at location T k >= kept and contribute nothing).
+  const std::vector<int32_t> zeros(tokens * k, 0);
+  const core::SlotTable table{zeros.data(), g.locations.data(), k, tokens, 1, g.kept};
+  const at::Tensor gates =
+      weights.has_value() ? weights->t().to(accumulation_dtype(x.scalar_type())).contiguous() : at::Tensor();
+  at::Tensor out = empty_reusable({tokens, outputs}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), kOp, [&] {
+    using A = core::acc_t<core_t<scalar_t>>;
+    const core::Status status = core::gather_slots<core_t<scalar_t>>(
+        core_ptr<scalar_t>(hidden), outputs, table,
+        gates.defined() ? reinterpret_cast<const A*>(gates.data_ptr()) : nullptr, nullptr, nullptr,
+        core_ptr<scalar_t>(out));
+    raise_if_failed(status, kOp);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tutel, CPU, m) { m.impl("routed_gated_experts", &routed_gated_experts_cpu); }
+
+}  // namespace ops
+}  // namespace tutel
