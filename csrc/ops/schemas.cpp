@@ -61,11 +61,13 @@ TORCH_LIBRARY(tutel, m) {
   // with up_e(v) = v @ up_weight[e]^T + up_bias[e] (up_weight [E, 2I, H]; transposed: [E, H, 2I]
   // and v @ up_weight[e]), down_e likewise (down_weight [E, O, I] or [E, I, O]) and unit the gated
   // unit of gated_unit.  weights None counts 1; ids outside [0, E) contribute nothing.  Returns
-  // [T, O] in x's dtype (every weight tensor has it too).  CPU only.
+  // [T, O] in x's dtype (every weight tensor has it too).  With `gate_weight` (the shape of
+  // up_weight, no up_bias, not interleaved) the gates come from their own product and up_weight
+  // holds the ups only (gated_unit_pair).  CPU only.
   m.def(
       "routed_gated_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
       "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
-      "bool interleaved) -> Tensor");
+      "bool interleaved, Tensor? gate_weight=None) -> Tensor");
   // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
   m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and

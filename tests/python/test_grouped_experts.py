@@ -160,16 +160,30 @@ def test_grouped_locations_retarget_slots_and_drop():
 # ---------------------------------------------------------------- inference (nothing differentiated)
 
 def record_lean_calls(layer):
-    """Wraps experts.grouped_products (the no-grad grouped path); returns the dtypes it was built for."""
+    """Wraps the experts' builders for the no-grad grouped path (grouped_products, and gated_weights
+    where the experts have it: the one-call operator); returns the dtypes they built for."""
     calls = []
-    original = layer.experts.grouped_products
+    for name in ("grouped_products", "gated_weights"):
+        original = getattr(layer.experts, name, None)
+        if original is None:
+            continue
 
-    def recording(ctx, dtype):
-        calls.append(dtype)
-        return original(ctx, dtype)
-
-    layer.experts.grouped_products = recording
+        def recording(ctx, dtype, original=original):
+            built = original(ctx, dtype)
+            if built is not None:
+                calls.append(dtype)
+            return built
+        setattr(layer.experts, name, recording)
     return calls
+
+
+def forbid(monkeypatch, name):
+    """Makes tutel.experts._grouped's `name` (one of the two inference paths) fail when called."""
+    import tutel.experts._grouped as grouped
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} ran")
+    monkeypatch.setattr(grouped, name, refuse)
 
 
 LEAN_EXPERTS = {
@@ -210,6 +224,25 @@ def test_grouped_path_without_grad_matches_reference(name, experts, k, capacity_
         assert not bool(kept.all()), "the case must drop tokens"
 
 
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.6])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_llama_experts_without_grad_run_in_one_call(monkeypatch, capacity_factor, tokens):
+    """SwiGLU llama_ffn inference takes the one-call operator (gate and up matrices separate), with
+    and without dropped tokens, and equals the reference."""
+    forbid(monkeypatch, "combine_without_grad")
+    torch.manual_seed(tokens)
+    layer = make_layer(7, 3, capacity_factor, hidden=11, **LEAN_EXPERTS["llama_ffn"])
+    run_and_compare(layer, torch.randn(tokens, 10, dtype=torch.float64), forward_kwargs=dict(megablocks_size=1),
+                    top_k=3, capacity_factor=capacity_factor, no_grad=True, expert_reference=llama_reference)
+
+
+def test_llama_experts_with_another_activation_keep_the_pieces(monkeypatch):
+    forbid(monkeypatch, "gated_experts_in_one_call")
+    layer = make_layer(5, 2, 0.0, hidden=11, expert_type="llama_ffn", expert_extra={"activation_fn": F.gelu})
+    run_and_compare(layer, torch.randn(13, 10, dtype=torch.float64), forward_kwargs=dict(megablocks_size=1), top_k=2,
+                    capacity_factor=0.0, no_grad=True, expert_reference=lambda experts: llama_reference(experts, F.gelu))
+
+
 @pytest.mark.parametrize("name", sorted(LEAN_EXPERTS))
 def test_grouped_path_without_grad_in_pieces(monkeypatch, name):
     """Pieces of 7 grouped rows (each gathered from the tokens and added back) equal the reference,
@@ -217,6 +250,7 @@ def test_grouped_path_without_grad_in_pieces(monkeypatch, name):
     from tutel.experts import routed
     monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
     monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    forbid(monkeypatch, "gated_experts_in_one_call")
     for capacity_factor in (0.0, 0.7):
         layer = make_layer(6, 3, capacity_factor, hidden=9, **LEAN_EXPERTS[name])
         lean = record_lean_calls(layer)

@@ -417,6 +417,17 @@ def test_one_call_operator_rejects_bad_arguments():
             call(**change)
     with pytest.raises(ValueError, match="`limit` must be None or a finite number > 0"):
         op(x, ids, weights, up, down, ub, db, False, 1.0, 0.0, -1.0, False)
+    # gates from their own matrices (moe_layer's llama_ffn): up holds the ups only
+    gate_w, up_w = up[:, :8], up[:, 8:]
+    got = op(x, ids, weights, up_w, down, None, db, False, 1.0, 0.0, None, False, gate_w)
+    torch.testing.assert_close(got.double(), reference(x.double(), ids, weights.double(), up.double(), down.double(),
+                                                       None, db.double(), False, True), rtol=2e-4, atol=2e-5)
+    for args, match in [((up_w, down, None, db, False, 1.0, 0.0, None, False, gate_w[:, :7]), "`gate_weight` must have"),
+                        ((up_w, down, ub[:, 8:], db, False, 1.0, 0.0, None, False, gate_w), "no `up_bias`"),
+                        ((up_w, down, None, db, False, 1.0, 0.0, None, True, gate_w), "cannot be interleaved"),
+                        ((up, down, None, db, False, 1.0, 0.0, None, False, up), "must equal the down projection's 8")]:
+        with pytest.raises(ValueError, match=match):
+            op(x, ids, weights, *args)
 
 
 def test_one_call_operator_passes_opcheck():

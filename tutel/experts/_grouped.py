@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from .. import ops
 from ..impls.capacity import align_up
 from ..ops.precision import gemm_dtype
-from .routed import combine_without_grad, cpu_without_grad, piece_rows, plan_routing
+from .routed import (combine_without_grad, cpu_without_grad, fits_one_call, gated_experts_in_one_call, piece_rows,
+                     plan_routing)
 
 
 def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
@@ -68,18 +69,16 @@ def _run_without_grad(layer, x: torch.Tensor, crit, dropless: bool) -> Optional[
     """The grouped path on CPU when nothing is differentiated or traced, for experts with
     ``grouped_products(ctx, dtype)``: the kept choices grouped by tutel's counting pass and run in
     pieces by tutel.experts.routed.combine_without_grad (no [N, M] buffer of all choices, no
-    autograd wrappers).  Only the blocks' padding rows, which hold zeros and are never read back,
-    are not computed.  None where it does not apply."""
+    autograd wrappers), or for SwiGLU experts at small sizes (``gated_weights(ctx, dtype)``: their
+    [L, M, H] gate and up and [L, H, M] down matrices; routed.fits_one_call) in one operator call.
+    Only the blocks' padding rows, which hold zeros and are never read back, are not computed.
+    None where it does not apply."""
     make = getattr(layer.experts, "grouped_products", None)
     if make is None or not cpu_without_grad(x, *layer.experts.parameters()):
         return None
     num_experts, indices_s, locations_s, gates_s, capacity = crit[:5]
     indices, locations, gates = _choice_table(indices_s), _choice_table(locations_s), _choice_table(gates_s)
     dtype = gemm_dtype(x.dtype, x.device, indices.numel() / max(num_experts, 1))
-    products = make(layer, dtype)
-    if products is None:
-        return None
-    run, row_bytes = products
     expert_ids = indices
     # Nothing is dropped when the call is dropless (the capacity is the largest load) or the
     # capacity reaches T (an expert receives at most T choices).
@@ -87,8 +86,19 @@ def _run_without_grad(layer, x: torch.Tensor, crit, dropless: bool) -> Optional[
         # Dropped choices (past the capacity, or Tutel's negative "not dispatched" index) get id E.
         kept = (locations < capacity) & (indices >= 0)
         expert_ids = torch.where(kept, indices, torch.full_like(indices, num_experts))
-    plan = plan_routing(expert_ids.t(), num_experts)
-    y = combine_without_grad(x.to(dtype), gates.t(), plan, run, piece_rows(row_bytes))
+    gated = getattr(layer.experts, "gated_weights", None)
+    weights = gated(layer, dtype) if gated is not None and fits_one_call(expert_ids.numel()) else None
+    if weights is not None:  # SwiGLU experts: the whole call in one operator
+        gate_w, up_w, down_w = weights
+        y = gated_experts_in_one_call(x.to(dtype), expert_ids.t(), gates.t(), up_w, down_w, gate_weight=gate_w,
+                                      transposed=True)
+    else:
+        products = make(layer, dtype)
+        if products is None:
+            return None
+        run, row_bytes = products
+        y = combine_without_grad(x.to(dtype), gates.t(), plan_routing(expert_ids.t(), num_experts), run,
+                                 piece_rows(row_bytes))
     layer.protected_shape = y.shape
     return y.to(x.dtype)
 

@@ -79,6 +79,14 @@ class LlamaFFNNetwork(torch.nn.Module):
         y = self._swiglu(flatten_features(x, self.model_dim, self.model_dim, batch_dims=1), ctx, group_rows)
         return y.view(x.shape) if x.dim() > 2 else y
 
+    def gated_weights(self, ctx, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.experts._grouped) when
+        the activation is SiLU (the fused unit), else None."""
+        if self.activation_fn is not F.silu:
+            return None
+        w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
+        return w1, w2, w3
+
     def grouped_products(self, ctx, dtype: torch.dtype) -> Optional[Tuple[Callable, int]]:
         """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
         ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;

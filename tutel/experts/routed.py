@@ -144,6 +144,12 @@ def piece_rows(row_bytes: int) -> int:
     return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, row_bytes))
 
 
+def fits_one_call(rows: int) -> bool:
+    """Whether inference of `rows` grouped rows runs in one operator call (gated_experts_in_one_call):
+    up to the rows of the smallest piece, where the calls' fixed costs still matter."""
+    return rows <= _MIN_PIECE_ROWS
+
+
 def _piece_rows(up_weight: torch.Tensor, transposed: bool) -> int:
     """Grouped rows per piece of routed_experts."""
     width = up_weight.shape[2] if transposed else up_weight.shape[1]
@@ -205,17 +211,31 @@ def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
                        plan.counts, offsets)
 
 
-def _gated_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                       up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                       down_bias: Optional[torch.Tensor], transposed: bool, unit: GatedUnit) -> torch.Tensor:
-    """routed_experts for gated experts on CPU without autograd, in one call of tutel's
-    ``routed_gated_experts`` operator (the same steps as combine_without_grad with the gated unit,
-    without an operator call and its Python around each: at decoding sizes those cost a third of
-    the weights' streaming).  Returns [T, O] in x's dtype."""
+def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                              up_weight: torch.Tensor, down_weight: torch.Tensor, *,
+                              gate_weight: Optional[torch.Tensor] = None, up_bias: Optional[torch.Tensor] = None,
+                              down_bias: Optional[torch.Tensor] = None, transposed: bool = False,
+                              unit: GatedUnit = SWIGLU_UNIT) -> torch.Tensor:
+    """routed_experts' result for gated experts on CPU without autograd, in one call of tutel's
+    ``routed_gated_experts`` operator: the steps of combine_without_grad with the gated unit, without
+    an operator call and its Python around each (at decoding sizes those cost a third of the
+    weights' streaming).
+
+    Args:
+        x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed: as for
+            routed_experts, every tensor on the CPU and the floating ones in x's dtype (biases are
+            converted); nothing may require a gradient.
+        gate_weight: the gates' own matrices, of up_weight's shape (then up_weight holds the ups
+            only, as in moe_layer's llama_ffn), or None for up_weight's [gate | up] halves.
+        unit: the gated unit (not interleaved with gate_weight).
+
+    Returns:
+        [T, O] in x's dtype."""
     check_unit(unit, "tutel.experts.routed_experts")
     up_bias, down_bias = (None if b is None else b.to(x.dtype) for b in (up_bias, down_bias))
     return torch.ops.tutel.routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
-                                                bool(transposed), *unit_scalars(unit), bool(unit.interleaved))
+                                                bool(transposed), *unit_scalars(unit), bool(unit.interleaved),
+                                                gate_weight)
 
 
 def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
@@ -323,15 +343,14 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
     unit = gate_unit_of(gate)
     lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
-    rows_per_piece = _piece_rows(up_weight, transposed)
-    if lean and unit is not None and post_fn is None and expert_ids.numel() <= rows_per_piece:
-        return _gated_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed,
-                                  unit).to(out_dtype)
+    if lean and unit is not None and post_fn is None and fits_one_call(expert_ids.numel()):
+        return gated_experts_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias,
+                                         down_bias=down_bias, transposed=transposed, unit=unit).to(out_dtype)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
     if lean:
-        return combine_without_grad(x, weights, plan, experts, rows_per_piece).to(out_dtype)
+        return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
     out = experts(rows, plan)
     out = out.reshape(1, total, out.shape[-1])

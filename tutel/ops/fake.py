@@ -105,5 +105,5 @@ def _to_dtype(x, dtype):
 
 @register_fake("tutel::routed_gated_experts")
 def _routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, alpha,
-                          up_offset, limit, interleaved):
+                          up_offset, limit, interleaved, gate_weight=None):
     return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))

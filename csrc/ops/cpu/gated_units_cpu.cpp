@@ -107,6 +107,8 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
   return out;
 }
 
+}  // namespace
+
 at::Tensor gated_unit_pair_cpu(const at::Tensor& gate_in, const at::Tensor& up_in, double alpha, double up_offset,
                                c10::optional<double> limit) {
   const char* op = "gated_unit_pair";
@@ -120,6 +122,8 @@ at::Tensor gated_unit_pair_cpu(const at::Tensor& gate_in, const at::Tensor& up_i
   });
   return out;
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> gated_unit_pair_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_in,
                                                                 const at::Tensor& up_in, double alpha,

@@ -10,5 +10,9 @@ namespace ops {
 at::Tensor gated_unit_cpu(const at::Tensor& gate_up, double alpha, double up_offset, c10::optional<double> limit,
                           bool interleaved);
 
+// tutel::gated_unit_pair on CPU: gate [n, I] and up [n, I] -> h [n, I].
+at::Tensor gated_unit_pair_cpu(const at::Tensor& gate, const at::Tensor& up, double alpha, double up_offset,
+                               c10::optional<double> limit);
+
 }  // namespace ops
 }  // namespace tutel

@@ -1,5 +1,5 @@
-// routed_gated_experts: the no-grad forward of tutel.experts.routed_experts for gated experts, in
-// one operator call.  Step by step it is six operator calls with Python between them (grouping,
+// routed_gated_experts: the no-grad forward of tutel.experts.routed_experts for gated experts (and
+// of moe_layer's llama_ffn experts, whose gate and up matrices are separate), in one operator call.  Step by step it is six operator calls with Python between them (grouping,
 // the token rows' copy, two grouped products, the gated unit, the weighted combine), and at
 // decoding sizes their fixed costs add up to a third of the time it takes to stream the active
 // experts' weights; here the same CPU implementations run back to back in C++.
@@ -55,7 +55,7 @@ Grouping group_choices(const at::Tensor& expert_ids, int64_t experts) {
 void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c10::optional<at::Tensor>& weights,
                      const at::Tensor& up_weight, const at::Tensor& down_weight,
                      const c10::optional<at::Tensor>& up_bias, const c10::optional<at::Tensor>& down_bias,
-                     bool transposed) {
+                     bool transposed, bool interleaved, const c10::optional<at::Tensor>& gate_weight) {
   check_dim(x, 2, kOp, "x");
   check_floating(x, kOp, "x");
   check_dim(expert_ids, 2, kOp, "expert_ids");
@@ -85,8 +85,18 @@ void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c1
   const int64_t down_out = transposed ? down_weight.size(2) : down_weight.size(1);
   TORCH_CHECK_VALUE(up_in == x.size(1), "tutel::", kOp, ": `up_weight` ", up_weight.sizes(),
                     (transposed ? " ([E, H, U])" : " ([E, U, H])"), " must take the ", x.size(1), " features of `x`");
-  TORCH_CHECK_VALUE(up_out == 2 * down_in, "tutel::", kOp, ": the up projection's ", up_out,
-                    " outputs must be twice the down projection's ", down_in, " inputs (gate and up values)");
+  if (gate_weight.has_value()) {
+    check_dtype(*gate_weight, x.scalar_type(), kOp, "gate_weight");
+    TORCH_CHECK_VALUE(gate_weight->sizes() == up_weight.sizes(), "tutel::", kOp, ": `gate_weight` must have the shape ",
+                      "of `up_weight` ", up_weight.sizes(), ", got ", gate_weight->sizes());
+    TORCH_CHECK_VALUE(!interleaved && !up_bias.has_value(), "tutel::", kOp,
+                      ": with a separate `gate_weight` the unit cannot be interleaved and there is no `up_bias`");
+    TORCH_CHECK_VALUE(up_out == down_in, "tutel::", kOp, ": with a separate `gate_weight` the up projection's ",
+                      up_out, " outputs must equal the down projection's ", down_in, " inputs");
+  } else {
+    TORCH_CHECK_VALUE(up_out == 2 * down_in, "tutel::", kOp, ": the up projection's ", up_out,
+                      " outputs must be twice the down projection's ", down_in, " inputs (gate and up values)");
+  }
   for (const auto& [name, bias, width] :
        {std::make_tuple("up_bias", up_bias, up_out), std::make_tuple("down_bias", down_bias, down_out)}) {
     if (!bias.has_value()) continue;
@@ -94,7 +104,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c1
     TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == width, "tutel::", kOp, ": `",
                       name, "` must be [", experts, ", ", width, "], got ", bias->sizes());
   }
-  for (const at::Tensor& t : {expert_ids, up_weight, down_weight})
+  for (const at::Tensor& t : {expert_ids, up_weight, down_weight, gate_weight.value_or(up_weight)})
     TORCH_CHECK_VALUE(t.device().is_cpu(), "tutel::", kOp, ": every tensor must be on the CPU, got one on ", t.device());
 }
 
@@ -102,8 +112,10 @@ at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& exper
                                     const c10::optional<at::Tensor>& weights, const at::Tensor& up_weight,
                                     const at::Tensor& down_weight, const c10::optional<at::Tensor>& up_bias,
                                     const c10::optional<at::Tensor>& down_bias, bool transposed, double alpha,
-                                    double up_offset, c10::optional<double> limit, bool interleaved) {
-  check_arguments(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed);
+                                    double up_offset, c10::optional<double> limit, bool interleaved,
+                                    const c10::optional<at::Tensor>& gate_weight) {
+  check_arguments(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, interleaved,
+                  gate_weight);
   const int64_t tokens = x.size(0), k = expert_ids.size(1);
   const int64_t outputs = transposed ? down_weight.size(2) : down_weight.size(1);
   const Grouping g = group_choices(expert_ids, up_weight.size(0));
@@ -114,10 +126,13 @@ at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& exper
   at::Tensor rows = empty_reusable({g.kept, x.size(1)}, x.options());
   at::index_select_out(rows, x, 0, token_of_slot);
   // grouped_linear's flag says the matrices are [O, K]: the F.linear layout, transposed = false.
-  const at::Tensor hidden = grouped_linear_cpu(
-      gated_unit_cpu(grouped_linear_cpu(rows, up_weight, up_bias, g.counts, !transposed), alpha, up_offset, limit,
-                     interleaved),
-      down_weight, down_bias, g.counts, !transposed);
+  const at::Tensor up = grouped_linear_cpu(rows, up_weight, up_bias, g.counts, !transposed);
+  const at::Tensor unit =
+      gate_weight.has_value()
+          ? gated_unit_pair_cpu(grouped_linear_cpu(rows, *gate_weight, c10::nullopt, g.counts, !transposed), up,
+                                alpha, up_offset, limit)
+          : gated_unit_cpu(up, alpha, up_offset, limit, interleaved);
+  const at::Tensor hidden = grouped_linear_cpu(unit, down_weight, down_bias, g.counts, !transposed);
   // The weighted sum per token: the kept slots form one "expert" of capacity `kept` (dropped
   // choices sit at location T k >= kept and contribute nothing).
   const std::vector<int32_t> zeros(tokens * k, 0);
