@@ -175,13 +175,15 @@ TUTEL_AVX2_FMA void dot_block_2x4(const SkinnyProduct<T>& p, int64_t inner, int6
   }
 }
 
-// Four matrix rows no longer fit the L1 cache beside the token rows once they hold more than this
-// many bytes; dot_rows' second pair of token rows would then read them again from L2.  Measured
-// on Zen 3, 2 threads, float32, 8 experts [O, K], each product timed after a 256 MB read (two
-// runs each): K = 3584 (Mixtral's down projection) at 4 / 5 / 8 rows per expert 3.7-3.9 ->
-// 3.4-3.5, 5.0-5.2 -> 4.7, 6.7-7.0 -> 5.8 ms; K = 2048 at 4 / 8 rows 4.5-4.7 -> 4.1, 7.7-9.4 ->
-// 6.8-6.9 ms; 6-7 rows within 3% either way.  With 3 rows (no block of four) this order was slower
-// (3.6-3.7 -> 4.2 ms), so it starts at 4.
+// Four matrix rows no longer stay in the L1 cache beside the token rows and the lines prefetched
+// for the next rows once they hold this many bytes; dot_rows' second pair of token rows would
+// then read them again from further out.  Measured on Zen 3, 2 threads, float32, 8 experts [O, K],
+// each product timed after a 256 MB read (two runs each): K = 3584 (Mixtral's down projection) at
+// 4 / 5 / 8 rows per expert 3.7-3.9 -> 3.4-3.5, 5.0-5.2 -> 4.7, 6.7-7.0 -> 5.8 ms; K = 2048 at
+// 4 / 8 rows 4.5-4.7 -> 4.1, 7.7-9.4 -> 6.8-6.9 ms; 6-7 rows within 3% either way.  Rows of exactly
+// a page (4 of them 16 KiB) at 4 token rows: K = 1024 with 7168 outputs (Mixtral's gate and up)
+// 7.7 -> 6.7 ms, bfloat16 K = 2048 2.74 -> 2.38 ms, at 8-16 rows unchanged.  With 3 rows (no block
+// of four) this order was slower (3.6-3.7 -> 4.2 ms), so it starts at 4.
 constexpr int64_t kFourMatrixRowsInL1 = 16 << 10;
 
 // Matrix rows shorter than a page share it with their neighbours, and four of them read side
@@ -202,7 +204,7 @@ template <class T>
 TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
   const bool nta = kPrefetchRowsAhead * inner * int64_t(sizeof(T)) <= kNonTemporalWindowDot;
   int64_t o = o_begin;
-  if (p.rows >= 4 && 4 * inner * int64_t(sizeof(T)) > kFourMatrixRowsInL1) {
+  if (p.rows >= 4 && 4 * inner * int64_t(sizeof(T)) >= kFourMatrixRowsInL1) {
     // Long matrix rows: each pair of them passes once over four token rows at a time.
     for (; o + 2 <= o_end; o += 2) {
       int64_t r = 0;

@@ -369,8 +369,8 @@ def test_one_call_inference_widened(no_native_16bit, one_call_only, dtype):
 
 
 def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
-    """Gradients, gate_fn / activation experts, post_fn and more rows than a piece keep the
-    step-by-step paths."""
+    """Gradients, gate_fn / activation experts, post_fn, a down projection in another dtype than the
+    up projection and more rows than a piece keep the step-by-step paths."""
     import tutel.experts.routed as routed
 
     def refuse(*args, **kwargs):
@@ -381,8 +381,8 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
     x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t for t in case)
     norm = lambda o: o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
     for kwargs in (dict(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]),
-                   dict(gate="swiglu", post_fn=norm)):
-        y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, **kwargs)
+                   dict(gate="swiglu", post_fn=norm), dict(gate="swiglu", up_weight=up.double())):
+        y = routed_experts(x, ids, weights, kwargs.pop("up_weight", up), down, up_bias=ub, down_bias=db, **kwargs)
         ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(),
                         False, True, kwargs.get("post_fn"))
         torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)

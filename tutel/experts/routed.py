@@ -343,7 +343,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
     unit = gate_unit_of(gate)
     lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
-    if lean and unit is not None and post_fn is None and fits_one_call(expert_ids.numel()):
+    if lean and unit is not None and post_fn is None and down_weight.dtype == x.dtype and \
+            fits_one_call(expert_ids.numel()):
         return gated_experts_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias,
                                          down_bias=down_bias, transposed=transposed, unit=unit).to(out_dtype)
     plan = plan_routing(expert_ids, up_weight.shape[0])
