@@ -377,13 +377,15 @@ few rows per expert (decoding, T <= 128 with top-8 of 64) the expert products ar
 products, which stream each active expert's weights once (bf16 widened in registers) where PyTorch's
 GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below the
 machine's bandwidth (table "Grouped expert products" below), with a non-temporal prefetch so that
-the streamed weights do not evict everything else the step uses; what remains at T = 1 is the fixed
-cost of a dozen operator calls around them. `moe_layer` in inference runs the same pieces and
-products (no autograd, no grouped buffer) and adds its routing and auxiliary loss, about 25 small
-operations at T = 1 that run with cold caches after the weights streamed through them: timed inside
-one Qwen3-like call after a 256 MiB read (Zen 3), routing 0.76 ms (gate 0.12, top-k 0.12, GShard
-loss 0.16, capacity and checks the rest) and 0.8 ms for the rest of the call (argument checks, the
-experts' weights, plan), against 2.5 ms for the products with their dispatch and combine. At T >=
+the streamed weights do not evict everything else the step uses. Up to 4096 grouped rows the whole
+call of gated experts is one operator (`tutel::routed_gated_experts`: grouping, the rows' copy, both
+products, the unit, the weighted sum), so what remains at T = 1 is that call's fixed cost, its
+argument checks and transformers' dispatch to the experts implementation, all with cold caches after
+the weights streamed through them (the step-by-step path's six operator calls had cost 0.15-0.25 ms
+more). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
+two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
+inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
+0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
 2048 both sides run PyTorch's GEMM per expert, which takes 80-90% of either side's time. tutel runs
 each expert's product single-threaded and spreads the products over the threads, longest first:
 one 128-512-row GEMM split over both threads ran at 94-158 GFLOP/s where two single-threaded ones
