@@ -1,8 +1,9 @@
 // routed_gated_experts: the no-grad forward of tutel.experts.routed_experts for gated experts (and
-// of moe_layer's llama_ffn experts, whose gate and up matrices are separate), in one operator call.  Step by step it is six operator calls with Python between them (grouping,
-// the token rows' copy, two grouped products, the gated unit, the weighted combine), and at
-// decoding sizes their fixed costs add up to a third of the time it takes to stream the active
-// experts' weights; here the same CPU implementations run back to back in C++.
+// of moe_layer's llama_ffn experts, whose gate and up matrices are separate), in one operator
+// call.  Step by step it is six operator calls with Python between them (grouping, the token rows'
+// copy, two grouped products, the gated unit, the weighted combine), and at decoding sizes their
+// fixed costs add up to a third of the time it takes to stream the active experts' weights; here
+// the same CPU implementations run back to back in C++.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -104,7 +105,8 @@ void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c1
     TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == width, "tutel::", kOp, ": `",
                       name, "` must be [", experts, ", ", width, "], got ", bias->sizes());
   }
-  for (const at::Tensor& t : {expert_ids, up_weight, down_weight, gate_weight.value_or(up_weight)})
+  for (const at::Tensor& t : {x, expert_ids, weights.value_or(x), up_weight, down_weight, up_bias.value_or(x),
+                              down_bias.value_or(x), gate_weight.value_or(x)})
     TORCH_CHECK_VALUE(t.device().is_cpu(), "tutel::", kOp, ": every tensor must be on the CPU, got one on ", t.device());
 }
 
