@@ -30,7 +30,9 @@ const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 3
                        // go one by one, as do 16-bit ones with up to 4 token rows)
                        {1, 1030, 19}, {2, 2048, 17}, {3, 1100, 10},
                        // rows of exactly 4 KiB in float32 (16 KiB for four): the 2 x 4 blocks from 4 token rows
-                       {4, 1024, 7}, {6, 1024, 5}};
+                       {4, 1024, 7}, {6, 1024, 5},
+                       // short rows, 4+ token rows: one matrix row by four token rows, with a k tail
+                       {4, 37, 12}, {9, 100, 20}};
 
 template <class T>
 void check_kernel(SkinnyKernel<T> kernel, WeightLayout layout, const Case& c, bool with_bias, std::mt19937& rng) {
