@@ -232,8 +232,9 @@ constexpr int64_t kFourMatrixRowsInL1 = 16 << 10;
 // experts [O, K], each product timed after a 256 MB read: float32 K = 256 (1 KiB rows) at 1 / 4 /
 // 8 / 32 token rows 0.48 -> 0.30, 0.51 -> 0.39, 0.91 -> 0.67, 2.79 -> 2.48 ms; K = 512 at 1 / 8
 // rows 0.40 -> 0.31, 0.89 -> 0.69 ms; bfloat16 K = 512 / 1024 at 1 row 0.40 -> 0.30 / 0.72 -> 0.53
-// ms; K = 1024 float32 (a whole page) and longer rows unchanged or slower.  The sums are the
-// same, in the same order, either way.
+// ms; K = 1024 float32 (a whole page) and longer rows unchanged or slower.  Either way each sum
+// is the same float dot product; only the order of its additions can differ (one or two
+// accumulators, dot_block).
 constexpr int64_t kPageBytes = 4096;
 // 16-bit token rows are widened again for every matrix row read alone: past 4 of them that cost
 // more than the stream gains (bfloat16 K = 512 at 8 / 16 / 32 rows: 1.22-1.25x slower; at 1 /
