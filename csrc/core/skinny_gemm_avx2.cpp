@@ -238,7 +238,8 @@ constexpr int64_t kFourMatrixRowsInL1 = 16 << 10;
 constexpr int64_t kPageBytes = 4096;
 // 16-bit token rows are widened again for every matrix row read alone: past 4 of them that cost
 // more than the stream gains (bfloat16 K = 512 at 8 / 16 / 32 rows: 1.22-1.25x slower; at 1 /
-// 2 / 4 rows 0.74 / 0.88 / 0.86x).
+// 2 / 4 rows 0.74 / 0.88 / 0.86x).  With dot_block_1x4 still 1.05-1.34x slower at 5-32
+// rows (bfloat16 and float16, K = 512 and 1024).
 constexpr int64_t kFewRowsOf16Bit = 4;
 
 template <class T>
