@@ -296,6 +296,11 @@ def test_pieces_with_every_choice_dropped(monkeypatch):
 
 # ---------------------------------------------------------------- inference in one operator call
 
+def detached(case):
+    """make_case's tensors without autograd (the ids as they are)."""
+    return tuple(t.detach() if t is not None and t.is_floating_point() else t for t in case)
+
+
 # gpt-oss' rule (alpha 1.702, up + 1, interleaved) with a limit this test's values cross (gpt-oss: 7)
 CLAMPED_UNIT = GatedUnit(1.702, 1.0, 0.5, interleaved=True)
 
@@ -378,7 +383,7 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
     monkeypatch.setattr(torch.ops.tutel, "routed_gated_experts", refuse)
     case = make_case(9, 16, 8, 16, 5, 3, True, False, True, False, torch.float32, seed=8)
     run_and_compare(case, False, True, torch.float32)  # autograd
-    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t for t in case)
+    x, ids, weights, up, down, ub, db = detached(case)
     norm = lambda o: o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
     for kwargs in (dict(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]),
                    dict(gate="swiglu", post_fn=norm), dict(gate="swiglu", up_weight=up.double())):
@@ -394,9 +399,8 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
 
 
 def test_one_call_operator_rejects_bad_arguments():
-    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t
-                                         for t in make_case(4, 16, 8, 12, 3, 2, True, False, True, False,
-                                                            torch.float32, 1))
+    x, ids, weights, up, down, ub, db = detached(make_case(4, 16, 8, 12, 3, 2, True, False, True, False,
+                                                           torch.float32, 1))
     op = torch.ops.tutel.routed_gated_experts
     call = lambda **change: op(*{**dict(x=x, expert_ids=ids, weights=weights, up_weight=up, down_weight=down,
                                         up_bias=ub, down_bias=db), **change}.values(), False, 1.0, 0.0, None, False)
@@ -431,9 +435,8 @@ def test_one_call_operator_rejects_bad_arguments():
 
 
 def test_one_call_operator_passes_opcheck():
-    x, ids, weights, up, down, ub, db = (t.detach() if t is not None and t.is_floating_point() else t
-                                         for t in make_case(5, 16, 8, 12, 4, 2, True, True, True, True,
-                                                            torch.float32, 2))
+    x, ids, weights, up, down, ub, db = detached(make_case(5, 16, 8, 12, 4, 2, True, True, True, True,
+                                                           torch.float32, 2))
     torch.library.opcheck(torch.ops.tutel.routed_gated_experts.default,
                           (x, ids, weights, up, down, ub, db, True, 1.702, 1.0, 7.0, True),
                           test_utils=("test_schema", "test_faketensor"))

@@ -82,8 +82,10 @@ class LlamaFFNNetwork(torch.nn.Module):
     def gated_weights(self, ctx, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.experts._grouped) when
         the activation is SiLU (the fused unit), else None."""
-        if self.activation_fn is not F.silu:
-            return None
+        return self._weights_in(ctx, dtype) if self.activation_fn is F.silu else None
+
+    def _weights_in(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The call's three weights in `dtype` (tutel.ops.precision.widened)."""
         w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
         return w1, w2, w3
 
@@ -91,7 +93,7 @@ class LlamaFFNNetwork(torch.nn.Module):
         """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
         ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;
         `row_bytes` is one row's gate and up intermediates."""
-        w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
+        w1, w2, w3 = self._weights_in(ctx, dtype)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
             gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True)

@@ -11,11 +11,11 @@
 #include <vector>
 
 #include "../../core/dispatch.h"
-#include "../../core/routing.h"
 #include "../checks.h"
 #include "../core_types.h"
 #include "gated_units_cpu.h"
 #include "grouped_linear_cpu.h"
+#include "routing_cpu.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
@@ -23,35 +23,6 @@ namespace ops {
 namespace {
 
 constexpr const char* kOp = "routed_gated_experts";
-
-// The choices of expert_ids [T, k] grouped by expert (core::group_choices_by_expert).
-struct Grouping {
-  std::vector<int32_t> locations;     // [k, T]: slot of choice (t, j), T k when dropped
-  std::vector<int64_t> slot_choices;  // [T k]: the choice t k + j in each slot
-  std::vector<int64_t> counts;        // [E]: rows of each expert
-  int64_t kept = 0;                   // the slots of ids inside [0, E): the first ones
-};
-
-Grouping group_choices(const at::Tensor& expert_ids, int64_t experts) {
-  const int64_t tokens = expert_ids.size(0), k = expert_ids.size(1);
-  Grouping g;
-  g.locations.resize(tokens * k);
-  g.slot_choices.resize(tokens * k);
-  g.counts.resize(experts);
-  std::vector<int64_t> sorted_ids(tokens * k);
-  std::vector<int32_t> ends(experts);
-  const bool narrow = expert_ids.scalar_type() == at::kInt;
-  const at::Tensor ids = narrow ? expert_ids.contiguous() : expert_ids.to(at::kLong).contiguous();
-  if (narrow) {
-    core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, g.locations.data(),
-                                  g.slot_choices.data(), sorted_ids.data(), g.counts.data(), ends.data());
-  } else {
-    core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, g.locations.data(),
-                                  g.slot_choices.data(), sorted_ids.data(), g.counts.data(), ends.data());
-  }
-  g.kept = ends[experts - 1];
-  return g;
-}
 
 void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c10::optional<at::Tensor>& weights,
                      const at::Tensor& up_weight, const at::Tensor& down_weight,
@@ -120,25 +91,30 @@ at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& exper
                   gate_weight);
   const int64_t tokens = x.size(0), k = expert_ids.size(1);
   const int64_t outputs = transposed ? down_weight.size(2) : down_weight.size(1);
-  const Grouping g = group_choices(expert_ids, up_weight.size(0));
+  // The choices sorted by expert; the kept ones (ids inside [0, E)) fill the first slots.
+  const auto [locations, slot_choices, sorted_ids, counts_tensor, ends] =
+      group_by_expert_cpu(expert_ids, up_weight.size(0));
+  const int64_t kept = ends.data_ptr<int32_t>()[ends.numel() - 1];  // E >= 1 (checked)
+  const at::IntArrayRef counts(counts_tensor.data_ptr<int64_t>(), counts_tensor.numel());
   // The token row of every kept slot, in slot order.
-  at::Tensor token_of_slot = at::empty({g.kept}, x.options().dtype(at::kLong));
+  at::Tensor token_of_slot = at::empty({kept}, x.options().dtype(at::kLong));
   int64_t* token = token_of_slot.data_ptr<int64_t>();
-  for (int64_t s = 0; s < g.kept; ++s) token[s] = g.slot_choices[s] / k;
-  at::Tensor rows = empty_reusable({g.kept, x.size(1)}, x.options());
+  const int64_t* choice = slot_choices.data_ptr<int64_t>();
+  for (int64_t s = 0; s < kept; ++s) token[s] = choice[s] / k;
+  at::Tensor rows = empty_reusable({kept, x.size(1)}, x.options());
   at::index_select_out(rows, x, 0, token_of_slot);
   // grouped_linear's flag says the matrices are [O, K]: the F.linear layout, transposed = false.
-  const at::Tensor up = grouped_linear_cpu(rows, up_weight, up_bias, g.counts, !transposed);
+  const at::Tensor up = grouped_linear_cpu(rows, up_weight, up_bias, counts, !transposed);
   const at::Tensor unit =
       gate_weight.has_value()
-          ? gated_unit_pair_cpu(grouped_linear_cpu(rows, *gate_weight, c10::nullopt, g.counts, !transposed), up,
+          ? gated_unit_pair_cpu(grouped_linear_cpu(rows, *gate_weight, c10::nullopt, counts, !transposed), up,
                                 alpha, up_offset, limit)
           : gated_unit_cpu(up, alpha, up_offset, limit, interleaved);
-  const at::Tensor hidden = grouped_linear_cpu(unit, down_weight, down_bias, g.counts, !transposed);
+  const at::Tensor hidden = grouped_linear_cpu(unit, down_weight, down_bias, counts, !transposed);
   // The weighted sum per token: the kept slots form one "expert" of capacity `kept` (dropped
   // choices sit at location T k >= kept and contribute nothing).
   const std::vector<int32_t> zeros(tokens * k, 0);
-  const core::SlotTable table{zeros.data(), g.locations.data(), k, tokens, 1, g.kept};
+  const core::SlotTable table{zeros.data(), locations.data_ptr<int32_t>(), k, tokens, 1, kept};
   const at::Tensor gates =
       weights.has_value() ? weights->t().to(accumulation_dtype(x.scalar_type())).contiguous() : at::Tensor();
   at::Tensor out = empty_reusable({tokens, outputs}, x.options());

@@ -1,4 +1,4 @@
-// CPU implementations of route_topk and assign_locations.
+// CPU implementations of route_topk, assign_locations and group_by_expert.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -9,6 +9,7 @@
 #include "../../core/routing.h"
 #include "../core_types.h"
 #include "../op_args.h"
+#include "routing_cpu.h"
 
 namespace tutel {
 namespace ops {
@@ -62,6 +63,8 @@ std::tuple<at::Tensor, at::Tensor> assign_locations_cpu(const at::Tensor& indice
                     "assign_locations");
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids_in,
                                                                                int64_t experts) {
   const char* op = "group_by_expert";
@@ -93,8 +96,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_
   }
   return {locations, slot_choices, sorted_ids, counts, ends};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(tutel, CPU, m) {
   m.impl("group_by_expert", &group_by_expert_cpu);
