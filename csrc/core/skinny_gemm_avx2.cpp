@@ -131,39 +131,52 @@ TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
   }
 }
 
-// y[r + j, o] for j < 4: one matrix row by four token rows in one pass over k, each sum in two
-// accumulators (8 independent chains; the token rows are loaded one at a time inside the step, 12
-// registers), adding its halves in dot_block<T, 1, NR>'s order: a token row's result does not
-// depend on how many rows its expert has.  For 16-bit data, where each pass widens the matrix
-// row again: 8 experts [1024, K] after a 256 MB read (Zen 3), bfloat16 at 4 token rows K = 512 /
-// 1024 0.70 -> 0.46 / 1.38 -> 0.71 ms against token pairs.  float32 gained at 4-8 rows with
-// K = 512 (0.87-0.96x) but lost at 16-32 rows with K = 256 (1.12-1.14x), so it keeps the pairs.
-template <class T>
-TUTEL_AVX2_FMA void dot_block_1x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, bool nta) {
-  __m256 acc[4][2];
-  const T* w = p.w + o * p.w_stride;
+// y[r + j, o + i] for i < NO (1 or 2), j < 4: NO matrix rows by four token rows in one pass over
+// k, the token rows loaded one at a time inside the step (2 x 4: 8 sums, 4 matrix and 2 token
+// vectors, 14 of the 16 registers).  Each sum keeps dot_block<T, NO, NR>'s accumulators (two for a
+// single matrix row, 8 independent chains) and adds its pair's halves in its order, so the
+// results are dot_block's bit for bit: a token row's result does not depend on how many rows its
+// expert has.
+//
+// 1 x 4 is for 16-bit data read one matrix row at a time, where each pass widens the matrix row
+// again: 8 experts [1024, K] after a 256 MB read (Zen 3), bfloat16 at 4 token rows K = 512 / 1024
+// 0.70 -> 0.46 / 1.38 -> 0.71 ms against token pairs.  float32 gained at 4-8 rows with K = 512
+// (0.87-0.96x) but lost at 16-32 rows with K = 256 (1.12-1.14x), so it keeps the pairs.
+template <class T, int NO>
+TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, bool nta) {
+  constexpr int NA = NO == 1 ? 2 : 1;
+  __m256 acc[NO][4][NA];
+  const T* w[NO];
   const T* x[4];
+  for (int i = 0; i < NO; ++i) w[i] = p.w + (o + i) * p.w_stride;
   for (int j = 0; j < 4; ++j) {
     x[j] = p.x + (r + j) * p.x_stride;
-    acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int i = 0; i < NO; ++i)
+      for (int a = 0; a < NA; ++a) acc[i][j][a] = _mm256_setzero_ps();
   }
   int64_t k = 0;
   for (; k + 16 <= inner; k += 16) {
-    __m256 wv[2];
-    prefetch_row(w + k + kPrefetchRowsAhead * p.w_stride, nta);
-    Pairs<T>::load2(w + k, wv);
+    __m256 wv[NO][2];
+    for (int i = 0; i < NO; ++i) {
+      prefetch_row(w[i] + k + kPrefetchRowsAhead * p.w_stride, nta);
+      Pairs<T>::load2(w[i] + k, wv[i]);
+    }
     for (int j = 0; j < 4; ++j) {
       __m256 xv[2];
       Pairs<T>::load2(x[j] + k, xv);
-      acc[j][0] = _mm256_fmadd_ps(wv[0], xv[0], acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(wv[1], xv[1], acc[j][1]);
+      for (int i = 0; i < NO; ++i) {
+        acc[i][j][0] = _mm256_fmadd_ps(wv[i][0], xv[0], acc[i][j][0]);
+        acc[i][j][NA - 1] = _mm256_fmadd_ps(wv[i][1], xv[1], acc[i][j][NA - 1]);
+      }
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    float sum = horizontal_sum(_mm256_add_ps(acc[j][0], acc[j][1]));
-    for (int64_t t = k; t < inner; ++t) sum += Scalar<T>::load(x[j][t]) * Scalar<T>::load(w[t]);
-    if (p.bias) sum += Scalar<T>::load(p.bias[o]);
-    p.y[(r + j) * p.y_stride + o] = Scalar<T>::store(sum);
+  for (int i = 0; i < NO; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      float sum = horizontal_sum(NA == 1 ? acc[i][j][0] : _mm256_add_ps(acc[i][j][0], acc[i][j][NA - 1]));
+      for (int64_t t = k; t < inner; ++t) sum += Scalar<T>::load(x[j][t]) * Scalar<T>::load(w[i][t]);
+      if (p.bias) sum += Scalar<T>::load(p.bias[o + i]);
+      p.y[(r + j) * p.y_stride + o + i] = Scalar<T>::store(sum);
+    }
   }
 }
 
@@ -171,48 +184,9 @@ template <class T, int NO>
 TUTEL_AVX2_FMA void dot_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o, bool nta) {
   int64_t r = 0;
   if constexpr (NO == 1 && sizeof(T) == 2)
-    for (; r + 4 <= p.rows; r += 4) dot_block_1x4<T>(p, inner, o, r, nta);
+    for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 1>(p, inner, o, r, nta);
   for (; r + 2 <= p.rows; r += 2) dot_block<T, NO, 2>(p, inner, o, r, nta);
   if (r < p.rows) dot_block<T, NO, 1>(p, inner, o, r, nta);
-}
-
-// y[r + j, o + i] for i < 2, j < 4: two matrix rows by four token rows in one pass over k.  The
-// token rows are loaded one at a time inside the step (8 sums, 4 matrix and 2 token vectors: 14 of
-// the 16 registers), and each sum adds its pair's halves in the order dot_block does, so the
-// results are dot_block's bit for bit.
-template <class T>
-TUTEL_AVX2_FMA void dot_block_2x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, bool nta) {
-  __m256 acc[2][4];
-  const T* w[2] = {p.w + o * p.w_stride, p.w + (o + 1) * p.w_stride};
-  const T* x[4];
-  for (int j = 0; j < 4; ++j) {
-    x[j] = p.x + (r + j) * p.x_stride;
-    acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-  }
-  int64_t k = 0;
-  for (; k + 16 <= inner; k += 16) {
-    __m256 wv[2][2];
-    for (int i = 0; i < 2; ++i) {
-      prefetch_row(w[i] + k + kPrefetchRowsAhead * p.w_stride, nta);
-      Pairs<T>::load2(w[i] + k, wv[i]);
-    }
-    for (int j = 0; j < 4; ++j) {
-      __m256 xv[2];
-      Pairs<T>::load2(x[j] + k, xv);
-      for (int i = 0; i < 2; ++i) {
-        acc[i][j] = _mm256_fmadd_ps(wv[i][0], xv[0], acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(wv[i][1], xv[1], acc[i][j]);
-      }
-    }
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      float sum = horizontal_sum(acc[i][j]);
-      for (int64_t t = k; t < inner; ++t) sum += Scalar<T>::load(x[j][t]) * Scalar<T>::load(w[i][t]);
-      if (p.bias) sum += Scalar<T>::load(p.bias[o + i]);
-      p.y[(r + j) * p.y_stride + o + i] = Scalar<T>::store(sum);
-    }
-  }
 }
 
 // Four matrix rows no longer stay in the L1 cache beside the token rows and the lines prefetched
@@ -238,8 +212,8 @@ constexpr int64_t kFourMatrixRowsInL1 = 16 << 10;
 constexpr int64_t kPageBytes = 4096;
 // 16-bit token rows are widened again for every matrix row read alone: past 4 of them that cost
 // more than the stream gains (bfloat16 K = 512 at 8 / 16 / 32 rows: 1.22-1.25x slower; at 1 /
-// 2 / 4 rows 0.74 / 0.88 / 0.86x).  With dot_block_1x4 still 1.05-1.34x slower at 5-32
-// rows (bfloat16 and float16, K = 512 and 1024).
+// 2 / 4 rows 0.74 / 0.88 / 0.86x).  With the 1 x 4 blocks (dot_block_x4) still 1.05-1.34x slower
+// at 5-32 rows (bfloat16 and float16, K = 512 and 1024).
 constexpr int64_t kFewRowsOf16Bit = 4;
 
 template <class T>
@@ -250,7 +224,7 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
     // Long matrix rows: each pair of them passes once over four token rows at a time.
     for (; o + 2 <= o_end; o += 2) {
       int64_t r = 0;
-      for (; r + 4 <= p.rows; r += 4) dot_block_2x4<T>(p, inner, o, r, nta);
+      for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 2>(p, inner, o, r, nta);
       for (; r + 2 <= p.rows; r += 2) dot_block<T, 2, 2>(p, inner, o, r, nta);
       if (r < p.rows) dot_block<T, 2, 1>(p, inner, o, r, nta);
     }

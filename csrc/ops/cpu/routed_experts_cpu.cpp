@@ -78,7 +78,8 @@ void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c1
   }
   for (const at::Tensor& t : {x, expert_ids, weights.value_or(x), up_weight, down_weight, up_bias.value_or(x),
                               down_bias.value_or(x), gate_weight.value_or(x)})
-    TORCH_CHECK_VALUE(t.device().is_cpu(), "tutel::", kOp, ": every tensor must be on the CPU, got one on ", t.device());
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "tutel::", kOp, ": every tensor must be on the CPU, got one on ",
+                      t.device());
 }
 
 at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& expert_ids,
