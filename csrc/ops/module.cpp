@@ -5,6 +5,7 @@
 namespace tutel {
 namespace ops {
 void register_buffer_functions(pybind11::module_& m);  // ops/cpu/reusable_buffers.cpp
+void register_routed_experts_function(pybind11::module_& m);  // ops/cpu/routed_experts_cpu.cpp
 }  // namespace ops
 }  // namespace tutel
 
@@ -21,6 +22,7 @@ void register_python_functions(pybind11::module_& m);  // ops/cuda/python_functi
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tutel compiled operators (registered under torch.ops.tutel)";
   tutel::ops::register_buffer_functions(m);
+  tutel::ops::register_routed_experts_function(m);
 #ifdef TUTEL_WITH_CUDA
   m.attr("with_cuda") = true;
   tutel::ops::cuda_ops::register_python_functions(m);

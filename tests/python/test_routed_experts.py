@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tutel.experts.routed
 from tutel.experts import routed_experts
 from tutel.ops.gated_units import SWIGLU, GatedUnit
 
@@ -381,6 +382,7 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("routed_gated_experts ran")
     monkeypatch.setattr(torch.ops.tutel, "routed_gated_experts", refuse)
+    monkeypatch.setattr(routed, "routed_gated_experts_cpu", refuse)  # the same, bound directly
     case = make_case(9, 16, 8, 16, 5, 3, True, False, True, False, torch.float32, seed=8)
     run_and_compare(case, False, True, torch.float32)  # autograd
     x, ids, weights, up, down, ub, db = detached(case)
@@ -398,10 +400,16 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
     torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
 
 
-def test_one_call_operator_rejects_bad_arguments():
+# The operator through the dispatcher, and its CPU implementation bound directly in tutel._C.
+ONE_CALL_ENTRIES = {"registered": lambda: torch.ops.tutel.routed_gated_experts,
+                    "direct": lambda: tutel.experts.routed.routed_gated_experts_cpu}
+
+
+@pytest.mark.parametrize("entry", sorted(ONE_CALL_ENTRIES))
+def test_one_call_operator_rejects_bad_arguments(entry):
     x, ids, weights, up, down, ub, db = detached(make_case(4, 16, 8, 12, 3, 2, True, False, True, False,
                                                            torch.float32, 1))
-    op = torch.ops.tutel.routed_gated_experts
+    op = ONE_CALL_ENTRIES[entry]()
     call = lambda **change: op(*{**dict(x=x, expert_ids=ids, weights=weights, up_weight=up, down_weight=down,
                                         up_bias=ub, down_bias=db), **change}.values(), False, 1.0, 0.0, None, False)
     torch.testing.assert_close(call().double(), reference(x.double(), ids, weights.double(), up.double(),
@@ -440,3 +448,58 @@ def test_one_call_operator_passes_opcheck():
     torch.library.opcheck(torch.ops.tutel.routed_gated_experts.default,
                           (x, ids, weights, up, down, ub, db, True, 1.702, 1.0, 7.0, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_direct_binding_equals_the_registered_operator(dtype, transposed):
+    """One C++ function behind both entries: the same bits, and the float64 reference's values, with
+    tokens and routing weights read through strides (the weights [T, k] stored as [k, T])."""
+    x, ids, weights, up, down, ub, db = detached(make_case(11, 16, 8, 12, 6, 3, True, transposed, True, True, dtype,
+                                                           seed=5))
+    strided_x = torch.stack([x, -x], 2)[:, :, 0]
+    strided_weights = weights.t().contiguous().t()
+    assert not strided_x.is_contiguous() and not strided_weights.is_contiguous()
+    args = (strided_x, ids, strided_weights, up, down, ub, db, transposed, 1.702, 1.0, 0.5, True)
+    got = {name: entry()(*args) for name, entry in ONE_CALL_ENTRIES.items()}
+    assert torch.equal(got["direct"], got["registered"])
+    ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(),
+                    transposed, True, unit=CLAMPED_UNIT)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(got["direct"].double(), ref, rtol=rtol, atol=atol)
+
+
+def test_dispatch_modes_and_tensor_subclasses_keep_the_registered_operator():
+    """Under a Python dispatch mode the inference call goes through the dispatcher, so the mode sees
+    tutel's operator (and nothing of its insides); a tensor subclass is never handed to the binding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tutel.ops.tracing import direct_call_allowed
+    x, ids, weights, up, down, ub, db = detached(make_case(7, 16, 8, 12, 5, 2, True, False, True, False,
+                                                           torch.float32, seed=9))
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    assert direct_call_allowed(x, None, up)
+    with torch.no_grad(), Record():
+        assert not direct_call_allowed(x, up)
+        y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
+    assert seen == ["tutel.routed_gated_experts.default"]
+    ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(), False,
+                    True)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
+
+    class Marked(torch.Tensor):
+        pass
+    assert not direct_call_allowed(x.as_subclass(Marked)) and not direct_call_allowed(x, up.as_subclass(Marked))
+
+
+def test_profiles_name_the_direct_call():
+    x, ids, weights, up, down, ub, db = detached(make_case(3, 16, 8, 12, 4, 2, True, False, True, False,
+                                                           torch.float32, seed=4))
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
+    assert "tutel::routed_gated_experts" in {event.key for event in profile.key_averages()}

@@ -43,12 +43,13 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from .. import ops
+from .._extension import load_extension
 from ..impls.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype, widened
-from ..ops.tracing import eager_without_grad
+from ..ops.tracing import direct_call_allowed, eager_without_grad
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -211,6 +212,11 @@ def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
                        plan.counts, offsets)
 
 
+# tutel::routed_gated_experts' CPU implementation bound directly (csrc/ops/cpu/routed_experts_cpu.cpp):
+# with the caches cold the dispatcher costs about 50 us per call, as much as the operator's own fixed work.
+routed_gated_experts_cpu = load_extension().routed_gated_experts
+
+
 def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
                               up_weight: torch.Tensor, down_weight: torch.Tensor, *,
                               gate_weight: Optional[torch.Tensor] = None, up_bias: Optional[torch.Tensor] = None,
@@ -233,9 +239,10 @@ def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights
         [T, O] in x's dtype."""
     check_unit(unit, "tutel.experts.routed_experts")
     up_bias, down_bias = (None if b is None else b.to(x.dtype) for b in (up_bias, down_bias))
-    return torch.ops.tutel.routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
-                                                bool(transposed), *unit_scalars(unit), bool(unit.interleaved),
-                                                gate_weight)
+    tensors = (x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias)
+    operator = routed_gated_experts_cpu if direct_call_allowed(*tensors, gate_weight) \
+        else torch.ops.tutel.routed_gated_experts
+    return operator(*tensors, bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)
 
 
 def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:

@@ -17,3 +17,17 @@ def eager_without_grad(*tensors: Optional[torch.Tensor]) -> bool:
     if is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# (private, but one C call; without it every call takes the dispatcher)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def direct_call_allowed(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when a C++ implementation bound in tutel._C may run in place of its registered operator:
+    no Python dispatch mode is active (it would not see the call) and every tensor of `tensors`
+    (None entries allowed) is of a plain class (a subclass such as DTensor dispatches itself)."""
+    if _DISPATCH_MODES is None or _DISPATCH_MODES() > 0:
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)

@@ -65,35 +65,42 @@ std::tuple<at::Tensor, at::Tensor> assign_locations_cpu(const at::Tensor& indice
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids_in,
+void group_by_expert_into(const at::Tensor& expert_ids, int64_t experts, int32_t* locations, int64_t* slot_choices,
+                          int64_t* sorted_ids, int64_t* counts, int32_t* ends) {
+  const int64_t tokens = expert_ids.size(0), k = expert_ids.size(1);
+  // int32 and int64 ids are read as they are; narrower integers widened first.
+  const at::ScalarType dtype = expert_ids.scalar_type();
+  const at::Tensor ids = dtype == at::kInt || dtype == at::kLong ? expert_ids.contiguous()
+                                                                  : expert_ids.to(at::kLong).contiguous();
+  if (ids.scalar_type() == at::kInt) {
+    core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, locations, slot_choices, sorted_ids,
+                                  counts, ends);
+  } else {
+    core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, locations, slot_choices, sorted_ids,
+                                  counts, ends);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids,
                                                                                int64_t experts) {
   const char* op = "group_by_expert";
-  TORCH_CHECK_VALUE(expert_ids_in.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ",
-                    expert_ids_in.dim(), " dims");
-  TORCH_CHECK_TYPE(at::isIntegralType(expert_ids_in.scalar_type(), /*includeBool=*/false), "tutel::", op,
-                   ": `expert_ids` must hold integers, got ", expert_ids_in.scalar_type());
+  TORCH_CHECK_VALUE(expert_ids.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ", expert_ids.dim(),
+                    " dims");
+  TORCH_CHECK_TYPE(at::isIntegralType(expert_ids.scalar_type(), /*includeBool=*/false), "tutel::", op,
+                   ": `expert_ids` must hold integers, got ", expert_ids.scalar_type());
   TORCH_CHECK_VALUE(experts >= 1, "tutel::", op, ": `num_experts` must be >= 1, got ", experts);
-  const int64_t tokens = expert_ids_in.size(0), k = expert_ids_in.size(1);
+  const int64_t tokens = expert_ids.size(0), k = expert_ids.size(1);
   TORCH_CHECK_VALUE(tokens * k < (int64_t(1) << 31) && experts < (int64_t(1) << 31), "tutel::", op,
                     ": at most 2^31 - 1 choices and experts (int32 locations), got ", tokens * k, " choices and ",
                     experts, " experts");
-  const bool narrow = expert_ids_in.scalar_type() == at::kInt;
-  const at::Tensor ids = narrow ? expert_ids_in.contiguous() : expert_ids_in.to(at::kLong).contiguous();
-  const auto options = ids.options();
+  const auto options = expert_ids.options();
   at::Tensor locations = at::empty({k, tokens}, options.dtype(at::kInt));
   at::Tensor slot_choices = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor sorted_ids = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor counts = at::empty({experts}, options.dtype(at::kLong));
   at::Tensor ends = at::empty({experts}, options.dtype(at::kInt));
-  if (narrow) {
-    core::group_choices_by_expert(ids.data_ptr<int32_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
-                                  slot_choices.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
-                                  counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
-  } else {
-    core::group_choices_by_expert(ids.data_ptr<int64_t>(), tokens, k, experts, locations.data_ptr<int32_t>(),
-                                  slot_choices.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
-                                  counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
-  }
+  group_by_expert_into(expert_ids, experts, locations.data_ptr<int32_t>(), slot_choices.data_ptr<int64_t>(),
+                       sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   return {locations, slot_choices, sorted_ids, counts, ends};
 }
 

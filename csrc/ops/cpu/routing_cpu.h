@@ -13,5 +13,11 @@ namespace ops {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(
     const at::Tensor& expert_ids, int64_t experts);
 
+// The same grouping written into the caller's arrays (of the sizes above, contiguous), for an
+// operator that keeps it inside one call: no tensors allocated.  `expert_ids` is [T, k] of any
+// integer dtype; the caller has checked it.
+void group_by_expert_into(const at::Tensor& expert_ids, int64_t experts, int32_t* locations, int64_t* slot_choices,
+                          int64_t* sorted_ids, int64_t* counts, int32_t* ends);
+
 }  // namespace ops
 }  // namespace tutel

@@ -32,8 +32,15 @@ def test_from_pretrained_and_set_experts_implementation_select_tutel(tmp_path):
     switched.set_experts_implementation("tutel")
     assert switched.config._experts_implementation == "tutel"
     calls = []
-    hook = tutel_hf.forward.routed_experts
-    tutel_hf.forward.routed_experts = lambda *a, **k: calls.append(1) or hook(*a, **k)
+    hook, shortcut = tutel_hf.forward.routed_experts, tutel_hf.forward.one_call_forward
+    tutel_hf.forward.routed_experts = lambda *a, **k: calls.append("full") or hook(*a, **k)
+
+    def counted_shortcut(*a):
+        out = shortcut(*a)
+        if out is not None:
+            calls.append("one call")
+        return out
+    tutel_hf.forward.one_call_forward = counted_shortcut
     try:
         ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -41,7 +48,7 @@ def test_from_pretrained_and_set_experts_implementation_select_tutel(tmp_path):
             for model in (loaded.eval(), switched):
                 torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
     finally:
-        tutel_hf.forward.routed_experts = hook
+        tutel_hf.forward.routed_experts, tutel_hf.forward.one_call_forward = hook, shortcut
     assert len(calls) == 2 * 2  # two models, two MoE layers each
 
 
