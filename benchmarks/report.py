@@ -379,10 +379,12 @@ GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read the
 machine's bandwidth (table "Grouped expert products" below), with a non-temporal prefetch so that
 the streamed weights do not evict everything else the step uses. Up to 4096 grouped rows the whole
 call of gated experts is one operator (`tutel::routed_gated_experts`: grouping, the rows' copy, both
-products, the unit, the weighted sum), so what remains at T = 1 is that call's fixed cost, its
-argument checks and transformers' dispatch to the experts implementation, all with cold caches after
-the weights streamed through them (the step-by-step path's six operator calls had cost 0.15-0.25 ms
-more). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
+products, the unit, the weighted sum), called without the dispatcher and, from transformers, with
+the module's layout cached; what remains at T = 1 besides the weights' streaming is about 0.2 ms
+of fixed costs with the caches cold after the weights streamed through them: transformers' own
+dispatch to the experts implementation (about 85 us), the shortcut's checks and the operator's work
+around the products (docs/design.md, "Cold fixed costs at one token"; the whole call at smoke sizes
+0.45-0.58 ms before those changes, 0.20-0.26 after). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
 two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
 inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
 0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=

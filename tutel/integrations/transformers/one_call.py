@@ -48,7 +48,7 @@ class _Entry:
     of _held's objects; ``guards`` keeps them from being reused: the other objects by strong
     reference, the tensors by weak references whose death clears the key.  Copies and pickles of
     the module start with an empty entry."""
-    __slots__ = ("key", "guards", "one_call", "__weakref__")
+    __slots__ = ("key", "guards", "one_call")
 
     def __init__(self):
         self.key: Optional[Tuple[int, ...]] = None
