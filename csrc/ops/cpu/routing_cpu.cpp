@@ -81,8 +81,10 @@ void group_by_expert_into(const at::Tensor& expert_ids, int64_t experts, int32_t
   }
 }
 
+namespace {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids,
-                                                                               int64_t experts) {
+                                                                                     int64_t experts) {
   const char* op = "group_by_expert";
   TORCH_CHECK_VALUE(expert_ids.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ", expert_ids.dim(),
                     " dims");
@@ -103,6 +105,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_
                        sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   return {locations, slot_choices, sorted_ids, counts, ends};
 }
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(tutel, CPU, m) {
   m.impl("group_by_expert", &group_by_expert_cpu);

@@ -22,10 +22,9 @@ from ...experts.routed import fits_one_call, gate_unit_of, routed_gated_experts_
 from ...impls.autocast import autocast_dtype
 from ...ops.gated_units import check_unit, unit_scalars
 from ...ops.precision import gemm_dtype
-from ...ops.tracing import direct_call_allowed
+from ...ops.tracing import direct_call_allowed, is_compiling
 from .layout import FLAGS, read_layout
 
-_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 # One C call for "no autocast anywhere" (cold, torch.is_autocast_enabled("cpu") costs 12 us more).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: autocast_dtype("cpu") is not None)
 
@@ -129,7 +128,7 @@ def one_call_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k
     Raises:
         UnsupportedExpertsLayout: as read_layout, for a module tutel cannot run.
     """
-    if hidden_states is None or top_k_index is None or top_k_weights is None or _IS_COMPILING() or _ANY_AUTOCAST() \
+    if hidden_states is None or top_k_index is None or top_k_weights is None or is_compiling() or _ANY_AUTOCAST() \
             or not direct_call_allowed(hidden_states, top_k_index, top_k_weights) or not hidden_states.is_cpu:
         return None
     one_call = _one_call_of(module)
