@@ -120,12 +120,14 @@ class Medians(dict):
     faults: Dict[str, float] = {}
 
 
-def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> Medians:
+def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 2,
+                        before_each: Optional[Callable[[], object]] = None) -> Medians:
     """Median seconds per call of each candidate; every round runs each candidate once, in an order
     shuffled for each round (seeded, so runs repeat): a candidate that leaves a cost behind (a
     multi-GB buffer freed, caches flushed) does not always hand it to the same successor.  (Mixtral-like
     T = 16 in transformers_moe.py: the candidate after batched_mm, which gathers GBs of weight
-    copies, measured 22.8 ms where it takes 13 ms alone.)
+    copies, measured 22.8 ms where it takes 13 ms alone.)  `before_each`, when given, runs untimed
+    before every timed call, to start each from the same state (see _limits.cache_reset).
 
     The warm-up rounds also let the allocator's heap grow to what the candidates need together."""
     for _ in range(warmup):
@@ -140,6 +142,8 @@ def interleaved_medians(candidates: Dict[str, Callable[[], object]], reps: int, 
             shuffler.shuffle(order)
             for name in order:
                 fn = candidates[name]
+                if before_each is not None:
+                    before_each()
                 faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 fn()

@@ -10,7 +10,7 @@ L2 cache and at least 1 GiB), each call followed by a synchronisation so that ho
 device's work.
 """
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,20 @@ def measure_limits(dtypes, smoke: bool, device: str = "cpu") -> Dict[str, float]
         if "read_gbps" not in limits:  # the read does not depend on the dtype
             limits["read_gbps"] = probes.bytes / _best_seconds(calls["read_probe"], 5) / 1e9
     return limits
+
+
+def cache_reset(smoke: bool, device: str = "cpu") -> Optional[Callable[[], object]]:
+    """A call that leaves the CPU caches holding nothing a candidate uses and no dirty lines: a sum
+    over a buffer twice the last-level cache.  Run untimed before every timed call, it gives each
+    candidate the cache state of a decoding step, whose weights were evicted by the other layers
+    since their last use, whatever ran before it.  Without it a candidate's time depended on its
+    predecessor: after one that wrote GBs (batched_mm's weight copies) the reads of the next one
+    waited for the write-backs of its dirty lines (Qwen3-like T = 16: 18.4 ms in the run against
+    14.6 ms after a read).  None on a CUDA device, whose L2 each call's own weights overrun."""
+    if torch.device(device).type == "cuda":
+        return None
+    buffer = torch.ones((1 << 14) if smoke else 2 * last_level_cache_bytes() // 4)
+    return buffer.sum
 
 
 def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:

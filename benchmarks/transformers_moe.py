@@ -12,7 +12,8 @@ Limits measured in the same run, as two more candidates interleaved with the oth
 see the same load (see _limits.py): compute = the FLOPs of the routed (token, expert) pairs at
 the GEMM rate of a large matmul in the same dtype; bandwidth = the bytes of the distinct
 experts' weights touched at the read bandwidth of a buffer 8x the last-level cache.  limit = the
-larger.
+larger.  Every timed call starts from the same cache state (_limits.cache_reset: a read of twice the
+last-level cache, untimed), the cold weights of a decoding step, whatever candidate ran before.
 
     python benchmarks/transformers_moe.py          # writes benchmarks/results/transformers_moe.json
     python benchmarks/transformers_moe.py --smoke
@@ -31,7 +32,7 @@ import torch
 from _common import format_table, interleaved_medians, load_average, parse_args, write_result
 from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, case_inputs, experts_call, experts_flops_per_choice,
                         experts_weight_bytes, moe_layer_like, tutel_backend_name)
-from _limits import LimitProbes, measure_limits, synchronized
+from _limits import LimitProbes, cache_reset, measure_limits, synchronized
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
 FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
@@ -96,7 +97,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     probes = LimitProbes(dtype, smoke, device)
     candidates.update(probes.candidates())
     reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps), seconds)
-    times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0)
+    times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0, before_each=cache_reset(smoke, device))
     rates = probes.rates(times)  # the machine's rates during this case, under the same load
     error = _relative_error_to_eager(block, ours, x, indices, weights)
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)

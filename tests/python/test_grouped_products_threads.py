@@ -85,10 +85,11 @@ def test_threaded_products_without_grad(threads):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_long_rows_around_the_skinny_bound(transposed):
-    """float32 rows of 2600 features: [O, K] groups of up to 15 rows take the skinny products, longer
-    ones the GEMM (160 KiB of token rows); both sides of the bound against float64."""
+    """float32 rows of 2600 features: [O, K] groups of up to 20 rows take the skinny products (whatever
+    their length), longer ones the GEMM (past 160 KiB of token rows); both sides of the bound against
+    float64."""
     gen = torch.Generator().manual_seed(9)
-    counts, k_dim, o_dim = [14, 15, 16, 17, 0, 33], 2600, 70
+    counts, k_dim, o_dim = [14, 19, 20, 21, 0, 33], 2600, 70
     rows = torch.randn(sum(counts), k_dim, generator=gen)
     shape = (len(counts), k_dim, o_dim) if transposed else (len(counts), o_dim, k_dim)
     weight = torch.randn(shape, generator=gen) / k_dim ** 0.5

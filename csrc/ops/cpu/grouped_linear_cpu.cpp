@@ -38,18 +38,28 @@ at::Tensor right_factor(const at::Tensor& weight, int64_t group, bool weight_tra
 // (benchmarks/grouped_gemm.py, docs/performance.md).
 constexpr int64_t kSkinnyMaxRows = 32;
 
-// For [O, K] matrices in float32, also at most this many bytes of token rows: each pass over
-// 4 matrix rows reads all of the group's token rows again, and past about L2's share they
-// come from further out.  With K = 3584 (Mixtral's down projection) the GEMM was faster from
-// 13 rows on (1.4x at 16-32), with K = 2048 from 24, with K = 1024 not below 32 (2-core Zen 3).
-// 16-bit rows keep the plain bound: their GEMM alternative is slower still without 16-bit
-// dot products, and [K, O] matrices stream past per-thread sums instead.
+// For [O, K] matrices in float32 and groups of more than kSkinnyRowsOfAnyLength rows, also at
+// most this many bytes of token rows: each pass over a pair of matrix rows reads four of the
+// group's token rows again, and past about L2's share they come from further out, while
+// PyTorch's GEMM packs the matrix once for all of them.  16-bit rows keep the plain bound: their
+// GEMM alternative is slower still without 16-bit dot products, and [K, O] matrices stream past
+// per-thread sums instead.
 constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
+
+// Up to this many rows the skinny products beat PyTorch's GEMM for float32 [O, K] matrices of
+// any row length: the GEMM packs each expert's whole matrix for a handful of rows.  Measured on
+// Zen 3, 2 threads, 8 experts, each product after a 64 MB read, as GB/s of matrix read (skinny
+// / GEMM): [4096, 14336] (Mixtral-8x7B's down projection) at 3 / 4 / 8 / 12 / 16 / 20 / 24 rows
+// 21 / 26 / 17 / 12 / 9.4 / 7.1 / 5.8 against 8.8 / 10 / 9.3 / 7.9 / 7.5 / 7.1 / 6.6; [4096, 7168]
+// at 4 / 8 / 16 rows 27 / 18 / 7.9 against 11 / 11 / 7.6; [1024, 3584] at 16 / 20 / 24 / 32 rows
+// 10.6 / 8.3 / 6.5 / 4.3 against 8.8 / 6.9 / 7.2 / 5.7; [1024, 2048] at 16 / 24 / 32 rows
+// 8.2 / 6.6 / 5.3 against 7.5 / 7.3 / 6.4.
+constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 
 int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
   if (layout != core::WeightLayout::kOutputsByInner || rows.scalar_type() != at::kFloat) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
-  return std::max<int64_t>(1, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
+  return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
 }
 
 bool skinny_dtype(at::ScalarType dtype) {
