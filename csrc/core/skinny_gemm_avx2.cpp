@@ -56,14 +56,30 @@ struct Pairs<bfloat16> {
   }
 };
 
-// Both layouts prefetch each matrix row's data from the row this many rows further on, at the
-// same column: a tile's rows follow one another, so this runs a few KiB ahead of the loads.  The
-// rows are short streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up
-// late; measured on Zen 1 (one token row, 8 of 64 experts): [O, K] bfloat16 13 -> 17 GB/s,
-// float32 with 512-element rows 15 -> 16 GB/s; [K, O] bfloat16 12 -> 16 GB/s (4 token rows:
-// 7.7 -> 9.8), float32 unchanged.  Prefetching 1 KiB ahead in the same row gained less (about
-// 10% for [O, K] bfloat16).  Prefetches never fault, so reading past the matrix's end is harmless.
+// Both layouts prefetch each matrix row's data from a row further on, at the same column: a
+// tile's rows follow one another, so this runs a few KiB ahead of the loads.  The rows are short
+// streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up late; measured on
+// Zen 1 (one token row, 8 of 64 experts), 8 rows ahead: [O, K] bfloat16 13 -> 17 GB/s, float32
+// with 512-element rows 15 -> 16 GB/s; [K, O] bfloat16 12 -> 16 GB/s (4 token rows: 7.7 -> 9.8),
+// float32 unchanged.  Prefetching 1 KiB ahead in the same row gained less (about 10% for [O, K]
+// bfloat16).  Prefetches never fault, so reading past the matrix's end is harmless.
 constexpr int kPrefetchRowsAhead = 8;
+
+// [O, K] rows longer than 4 KiB are prefetched at most this far ahead (whole rows, at least one):
+// 8 rows of 16 or 56 KiB put the lines hundreds of KiB ahead of their use, and those evicted
+// before it were read twice.  Measured on Zen 3, 2 threads, 8 experts, each product after a 64 MB
+// read (GB/s of matrix read, 8 rows ahead against this bound): float32 [4096, 14336] (Mixtral-8x7B's
+// down projection, one row ahead) at 1 / 2 / 4 token rows 32.5 / 34.4 / 30.2 -> 36.5 / 39.1 / 32.5;
+// [28672, 4096] (its gate and up, two rows) 28.9 / 36.9 / 33.7 -> 30.0 / 39.4 / 35.2; [1024, 3584]
+// 24.5 / 24.5 / 20.4 -> 26.8 / 23.0 / 23.5; bfloat16 [1024, 3584] (four rows) 25.2 / 23.9 / 23.8 ->
+// 26.4 / 25.1 / 25.0.  Rows of up to 4 KiB (8 of them within the bound) are unchanged.
+constexpr int64_t kPrefetchBytesAhead = 32 << 10;
+
+// Where a kernel prefetches: `ahead` elements past each load, with the non-temporal hint or not.
+struct RowPrefetch {
+  int64_t ahead;
+  bool nta;
+};
 
 // The prefetches bring a row in with the non-temporal hint (into L1, past the outer caches)
 // when the data in flight between a prefetch and its load fits the L1 cache: a decoding step
@@ -77,11 +93,14 @@ constexpr int kPrefetchRowsAhead = 8;
 constexpr int64_t kNonTemporalWindowDot = 32 << 10;
 constexpr int64_t kNonTemporalWindowStream = 16 << 10;
 
-TUTEL_AVX2_FMA inline void prefetch_row(const void* address, bool non_temporal) {
-  if (non_temporal)
-    _mm_prefetch(static_cast<const char*>(address), _MM_HINT_NTA);
+// Prefetches the data `pf.ahead` elements past `load`.
+template <class T>
+TUTEL_AVX2_FMA inline void prefetch_ahead(const T* load, const RowPrefetch& pf) {
+  const char* address = reinterpret_cast<const char*>(load + pf.ahead);
+  if (pf.nta)
+    _mm_prefetch(address, _MM_HINT_NTA);
   else
-    _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0);
+    _mm_prefetch(address, _MM_HINT_T0);
 }
 
 TUTEL_AVX2_FMA inline float horizontal_sum(__m256 v) {
@@ -96,7 +115,7 @@ TUTEL_AVX2_FMA inline float horizontal_sum(__m256 v) {
 // matrix row by two token rows with one accumulator each: bfloat16 at 2 / 3 token rows 0.80-0.83x
 // the time, float32 unchanged).
 template <class T, int NO, int NR>
-TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, bool nta) {
+TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, const RowPrefetch& pf) {
   constexpr int NA = NR == 1 || NO == 1 ? 2 : 1;
   __m256 acc[NO][NR][NA];
   const T* w[NO];
@@ -113,7 +132,7 @@ TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
     for (int j = 0; j < NR; ++j) Pairs<T>::load2(x[j] + k, xv[j]);
     for (int i = 0; i < NO; ++i) {
       __m256 wv[2];
-      prefetch_row(w[i] + k + kPrefetchRowsAhead * p.w_stride, nta);
+      prefetch_ahead(w[i] + k, pf);
       Pairs<T>::load2(w[i] + k, wv);
       for (int j = 0; j < NR; ++j) {
         acc[i][j][0] = _mm256_fmadd_ps(wv[0], xv[j][0], acc[i][j][0]);
@@ -143,7 +162,8 @@ TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
 // 0.70 -> 0.46 / 1.38 -> 0.71 ms against token pairs.  float32 gained at 4-8 rows with K = 512
 // (0.87-0.96x) but lost at 16-32 rows with K = 256 (1.12-1.14x), so it keeps the pairs.
 template <class T, int NO>
-TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, bool nta) {
+TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r,
+                                 const RowPrefetch& pf) {
   constexpr int NA = NO == 1 ? 2 : 1;
   __m256 acc[NO][4][NA];
   const T* w[NO];
@@ -158,7 +178,7 @@ TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64
   for (; k + 16 <= inner; k += 16) {
     __m256 wv[NO][2];
     for (int i = 0; i < NO; ++i) {
-      prefetch_row(w[i] + k + kPrefetchRowsAhead * p.w_stride, nta);
+      prefetch_ahead(w[i] + k, pf);
       Pairs<T>::load2(w[i] + k, wv[i]);
     }
     for (int j = 0; j < 4; ++j) {
@@ -181,12 +201,12 @@ TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64
 }
 
 template <class T, int NO>
-TUTEL_AVX2_FMA void dot_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o, bool nta) {
+TUTEL_AVX2_FMA void dot_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o, const RowPrefetch& pf) {
   int64_t r = 0;
   if constexpr (NO == 1 && sizeof(T) == 2)
-    for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 1>(p, inner, o, r, nta);
-  for (; r + 2 <= p.rows; r += 2) dot_block<T, NO, 2>(p, inner, o, r, nta);
-  if (r < p.rows) dot_block<T, NO, 1>(p, inner, o, r, nta);
+    for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 1>(p, inner, o, r, pf);
+  for (; r + 2 <= p.rows; r += 2) dot_block<T, NO, 2>(p, inner, o, r, pf);
+  if (r < p.rows) dot_block<T, NO, 1>(p, inner, o, r, pf);
 }
 
 // Four matrix rows no longer stay in the L1 cache beside the token rows and the lines prefetched
@@ -218,22 +238,25 @@ constexpr int64_t kFewRowsOf16Bit = 4;
 
 template <class T>
 TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
-  const bool nta = kPrefetchRowsAhead * inner * int64_t(sizeof(T)) <= kNonTemporalWindowDot;
+  const int64_t row_bytes = std::max<int64_t>(1, inner) * int64_t(sizeof(T));
+  const int64_t rows_ahead =
+      std::max<int64_t>(1, std::min<int64_t>(kPrefetchRowsAhead, kPrefetchBytesAhead / row_bytes));
+  const RowPrefetch pf{rows_ahead * p.w_stride, rows_ahead * row_bytes <= kNonTemporalWindowDot};
   int64_t o = o_begin;
   if (p.rows >= 4 && 4 * inner * int64_t(sizeof(T)) >= kFourMatrixRowsInL1) {
     // Long matrix rows: each pair of them passes once over four token rows at a time.
     for (; o + 2 <= o_end; o += 2) {
       int64_t r = 0;
-      for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 2>(p, inner, o, r, nta);
-      for (; r + 2 <= p.rows; r += 2) dot_block<T, 2, 2>(p, inner, o, r, nta);
-      if (r < p.rows) dot_block<T, 2, 1>(p, inner, o, r, nta);
+      for (; r + 4 <= p.rows; r += 4) dot_block_x4<T, 2>(p, inner, o, r, pf);
+      for (; r + 2 <= p.rows; r += 2) dot_block<T, 2, 2>(p, inner, o, r, pf);
+      if (r < p.rows) dot_block<T, 2, 1>(p, inner, o, r, pf);
     }
   }
   const bool one_by_one =
       inner * int64_t(sizeof(T)) < kPageBytes && (sizeof(T) == sizeof(float) || p.rows <= kFewRowsOf16Bit);
   if (!one_by_one)
-    for (; o + 4 <= o_end; o += 4) dot_rows<T, 4>(p, inner, o, nta);
-  for (; o < o_end; ++o) dot_rows<T, 1>(p, inner, o, nta);
+    for (; o + 4 <= o_end; o += 4) dot_rows<T, 4>(p, inner, o, pf);
+  for (; o < o_end; ++o) dot_rows<T, 1>(p, inner, o, pf);
 }
 
 // acc[j * width + c ..] += sum_{k < NK} xk[j * NK + k] * W[k0 + k, o + c ..] for c < width (a multiple
@@ -242,7 +265,7 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
 // registers to the sums.
 template <class T, int NK, int NR>
 TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, const float* xk,
-                                float* acc, bool nta) {
+                                float* acc, const RowPrefetch& pf) {
   const T* w[NK];
   for (int k = 0; k < NK; ++k) w[k] = p.w + (k0 + k) * p.w_stride + o;
   for (int64_t c = 0; c < width; c += 16) {
@@ -251,7 +274,7 @@ TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o
       for (int h = 0; h < 2; ++h) sum[j][h] = _mm256_loadu_ps(acc + j * width + c + 8 * h);
     for (int k = 0; k < NK; ++k) {
       __m256 wv[2];
-      prefetch_row(w[k] + c + kPrefetchRowsAhead * p.w_stride, nta);
+      prefetch_ahead(w[k] + c, pf);
       Pairs<T>::load2(w[k] + c, wv);
       for (int j = 0; j < NR; ++j) {
         const __m256 xb = _mm256_broadcast_ss(xk + j * NK + k);
@@ -266,24 +289,24 @@ TUTEL_AVX2_FMA void stream_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o
 // Matrix rows [k0, k0 + NK) times token rows [r, r + NR) into their sums.
 template <class T, int NK, int NR>
 TUTEL_AVX2_FMA void stream_group(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, int64_t r,
-                                 float* acc, bool nta) {
+                                 float* acc, const RowPrefetch& pf) {
   float xk[NR * NK];
   for (int j = 0; j < NR; ++j)
     for (int k = 0; k < NK; ++k) xk[j * NK + k] = Scalar<T>::load(p.x[(r + j) * p.x_stride + k0 + k]);
-  stream_rows<T, NK, NR>(p, k0, o, width, xk, acc + r * width, nta);
+  stream_rows<T, NK, NR>(p, k0, o, width, xk, acc + r * width, pf);
 }
 
 // Matrix rows [k0, k0 + NK) times every token row, four at a time: the NK rows stay in L1 while
 // the groups of token rows pass over them.
 template <class T, int NK>
 TUTEL_AVX2_FMA void stream_all_rows(const SkinnyProduct<T>& p, int64_t k0, int64_t o, int64_t width, float* acc,
-                                    bool nta) {
+                                    const RowPrefetch& pf) {
   int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4) stream_group<T, NK, 4>(p, k0, o, width, r, acc, nta);
+  for (; r + 4 <= p.rows; r += 4) stream_group<T, NK, 4>(p, k0, o, width, r, acc, pf);
   switch (p.rows - r) {
-    case 3: stream_group<T, NK, 3>(p, k0, o, width, r, acc, nta); break;
-    case 2: stream_group<T, NK, 2>(p, k0, o, width, r, acc, nta); break;
-    case 1: stream_group<T, NK, 1>(p, k0, o, width, r, acc, nta); break;
+    case 3: stream_group<T, NK, 3>(p, k0, o, width, r, acc, pf); break;
+    case 2: stream_group<T, NK, 2>(p, k0, o, width, r, acc, pf); break;
+    case 1: stream_group<T, NK, 1>(p, k0, o, width, r, acc, pf); break;
     default: break;
   }
 }
@@ -308,10 +331,11 @@ TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_
       }
     }
   }
-  const bool nta = kPrefetchRowsAhead * width * int64_t(sizeof(T)) <= kNonTemporalWindowStream;
+  const RowPrefetch pf{kPrefetchRowsAhead * p.w_stride,
+                       kPrefetchRowsAhead * width * int64_t(sizeof(T)) <= kNonTemporalWindowStream};
   int64_t k = 0;
-  for (; k + 4 <= inner; k += 4) stream_all_rows<T, 4>(p, k, o, width, acc.data(), nta);
-  for (; k < inner; ++k) stream_all_rows<T, 1>(p, k, o, width, acc.data(), nta);
+  for (; k + 4 <= inner; k += 4) stream_all_rows<T, 4>(p, k, o, width, acc.data(), pf);
+  for (; k < inner; ++k) stream_all_rows<T, 1>(p, k, o, width, acc.data(), pf);
   for (int64_t j = 0; j < p.rows; ++j)
     for (int64_t c = 0; c < width; c += 16) {
       const __m256 v[2] = {_mm256_loadu_ps(acc.data() + j * width + c), _mm256_loadu_ps(acc.data() + j * width + c + 8)};

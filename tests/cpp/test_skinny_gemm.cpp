@@ -32,7 +32,9 @@ const Case kCases[] = {{1, 1, 1},   {1, 16, 4},  {2, 15, 3},  {3, 17, 33}, {1, 3
                        // rows of exactly 4 KiB in float32 (16 KiB for four): the 2 x 4 blocks from 4 token rows
                        {4, 1024, 7}, {6, 1024, 5},
                        // short rows, 4+ token rows: one matrix row by four token rows, with a k tail
-                       {4, 37, 12}, {9, 100, 20}};
+                       {4, 37, 12}, {9, 100, 20},
+                       // rows over 32 KiB in every type (prefetched one row ahead) and no inner elements
+                       {2, 16400, 3}, {5, 16401, 4}, {2, 0, 5}};
 
 template <class T>
 void check_kernel(SkinnyKernel<T> kernel, WeightLayout layout, const Case& c, bool with_bias, std::mt19937& rng) {
