@@ -93,6 +93,17 @@ struct RowPrefetch {
 constexpr int64_t kNonTemporalWindowDot = 32 << 10;
 constexpr int64_t kNonTemporalWindowStream = 16 << 10;
 
+// The hint is for AMD's cores only.  Intel's cores keep lines prefetched with it out of L2, where
+// their own prefetchers would have followed the stream, and the products crawl: measured on an
+// Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, one token row, each product after a
+// 600 MB read (GB/s of matrix read, hint -> T0; a plain read of the same bytes 33-46): float32
+// [O, K] 1024 x 1024 8.4-9.1 -> 36-40, [K, O] tiles 256 and 512 outputs wide 10.7-11.2 -> 21.6 and
+// 7.4-10.1 -> 32.9.  No prefetch at all ran at 30-36 there, so T0 stays.
+inline bool nontemporal_hint_pays() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 // Prefetches the data `pf.ahead` elements past `load`.
 template <class T>
 TUTEL_AVX2_FMA inline void prefetch_ahead(const T* load, const RowPrefetch& pf) {
@@ -241,7 +252,8 @@ TUTEL_AVX2_FMA void avx2_outputs_by_inner(const SkinnyProduct<T>& p, int64_t inn
   const int64_t row_bytes = std::max<int64_t>(1, inner) * int64_t(sizeof(T));
   const int64_t rows_ahead =
       std::max<int64_t>(1, std::min<int64_t>(kPrefetchRowsAhead, kPrefetchBytesAhead / row_bytes));
-  const RowPrefetch pf{rows_ahead * p.w_stride, rows_ahead * row_bytes <= kNonTemporalWindowDot};
+  const RowPrefetch pf{rows_ahead * p.w_stride,
+                       nontemporal_hint_pays() && rows_ahead * row_bytes <= kNonTemporalWindowDot};
   int64_t o = o_begin;
   if (p.rows >= 4 && 4 * inner * int64_t(sizeof(T)) >= kFourMatrixRowsInL1) {
     // Long matrix rows: each pair of them passes once over four token rows at a time.
@@ -331,8 +343,8 @@ TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_
       }
     }
   }
-  const RowPrefetch pf{kPrefetchRowsAhead * p.w_stride,
-                       kPrefetchRowsAhead * width * int64_t(sizeof(T)) <= kNonTemporalWindowStream};
+  const RowPrefetch pf{kPrefetchRowsAhead * p.w_stride, nontemporal_hint_pays() && kPrefetchRowsAhead * width *
+                                                                                int64_t(sizeof(T)) <= kNonTemporalWindowStream};
   int64_t k = 0;
   for (; k + 4 <= inner; k += 4) stream_all_rows<T, 4>(p, k, o, width, acc.data(), pf);
   for (; k < inner; ++k) stream_all_rows<T, 1>(p, k, o, width, acc.data(), pf);
