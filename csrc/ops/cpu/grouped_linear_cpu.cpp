@@ -57,21 +57,23 @@ constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
 // 8.2 / 6.6 / 5.3 against 7.5 / 7.3 / 6.4.
 constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 
-// Where PyTorch's GEMM has units the skinny products lack (core/cpu_gemm_units.h: full-width
-// 512-bit FMA for float32, native bfloat16 dot products for bfloat16), it overtakes them from
-// about this many rows, in both layouts.  Measured on an Intel Xeon with AVX-512 and AMX, 2
-// threads, 8 experts, each product after a 600 MB read, ms skinny / GEMM: float32 [O, K]
-// 1024 x 1024 at 8 / 12 / 16 rows 1.49 / 2.36 / 3.07 against 2.09 / 2.80 / 2.74, 1024 x 512 0.93 /
-// 1.42 / 2.57 against 1.02 / 1.31 / 1.52; [K, O] 1024 x 512 at 8 rows 1.27 against 0.97;
-// bfloat16 [O, K] 1024 x 1024 at 8 / 12 rows 1.58 / 2.32 against 1.85 / 1.92, [K, O] 1024 x 512
-// 1.16 / 1.64 against 0.99 / 0.70.  At 1-4 rows the skinny products still took 0.3-0.7x the time.
-constexpr int64_t kSkinnyMaxRowsBesideWiderUnits = 8;
+// Where PyTorch's GEMM has units the skinny products lack (core/cpu_gemm_units.h) it overtakes
+// them at fewer rows, in both layouts: from about 9 rows for float32 with full-width 512-bit FMA,
+// from about 5 for bfloat16 with native bfloat16 dot products (AMX computes a tile of them at
+// once).  Measured on an Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, each product after
+// a 600 MB read, ms skinny / GEMM: float32 [O, K] 1024 x 1024 at 8 / 12 / 16 rows 1.49 / 2.36 /
+// 3.07 against 2.09 / 2.80 / 2.74, 1024 x 512 0.93 / 1.42 / 2.57 against 1.02 / 1.31 / 1.52, 7168 x
+// 1024 at 8 / 12 rows 12.2 / 30.0 against 21.3 / 27.5; [K, O] 1024 x 512 at 8 rows 1.27 against
+// 0.97; bfloat16 [O, K] 7168 x 1024 at 4 / 6 / 8 rows 9.0 / 13.4 / 12.4 against 8.7 / 10.9 / 7.9,
+// 1024 x 3584 3.1 / 5.2 / 6.8 against 3.6 / 3.8 / 3.7.  At 1-2 rows the skinny products took
+// 0.3-0.7x the GEMM's time.
+constexpr int64_t kSkinnyMaxRowsBesideWideFma = 8;
+constexpr int64_t kSkinnyMaxRowsBesideBf16Dot = 4;
 
 int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
   const at::ScalarType dtype = rows.scalar_type();
-  if ((dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) ||
-      (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()))
-    return kSkinnyMaxRowsBesideWiderUnits;
+  if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return kSkinnyMaxRowsBesideWideFma;
+  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()) return kSkinnyMaxRowsBesideBf16Dot;
   if (layout != core::WeightLayout::kOutputsByInner || rows.scalar_type() != at::kFloat) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
   return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
