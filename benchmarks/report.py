@@ -113,10 +113,12 @@ def target_rows(results: Dict[str, dict]) -> List[dict]:
             add("dropless grouped / per-expert baseline (real tokens)", row["grouped/ideal"], TARGETS["grouped/ideal"],
                 detail=f"T={row['T']} H={row['H']} E={row['E']}, busiest expert {row['busiest_share']:.0%}",
                 glibc=row.get("grouped/ideal_glibc"))
-    hf_rows = [row for name in FRAMEWORK_BENCHMARKS for row in results.get(name, {}).get("rows", [])]
+    # the runs may come from different machines: each row keeps its run's name and CPU
+    hf_rows = [dict(row, run=name, cpu=results[name].get("lscpu_model") or results[name].get("device_name"))
+               for name in FRAMEWORK_BENCHMARKS for row in results.get(name, {}).get("rows", [])]
 
     def where(row):
-        return f"worst case: {row['family']} {row['pass']} T={row['T']}"
+        return f"worst case: {row['family']} {row['pass']} T={row['T']} ({row['run']}, {row['cpu']})"
     for dtype in sorted({row["dtype"] for row in hf_rows}, reverse=True):
         rows_of = [row for row in hf_rows if row["dtype"] == dtype]
         worst = min(rows_of, key=lambda row: row["best_transformers/tutel"])
@@ -370,22 +372,34 @@ llama_ffn cannot express).  *limit*: the larger of the compute limit (FLOPs of t
 x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype) and the
 bandwidth limit (bytes of the distinct experts' weights at the read bandwidth of a buffer 8x the
 last-level cache), both rates measured as two more candidates interleaved with the others in every
-case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Ratios above 1 in *best_transformers/tutel* mean
-tutel is faster.
+case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Every timed call, the probes' too,
+starts from the same cache state: an untimed read of twice the last-level cache just before it, the
+cold weights of a decoding step whatever candidate ran before.  (Without it a call paid for its
+predecessor's dirty lines: after batched_mm, which writes GBs of weight copies, the next reads
+waited for their write-backs; Qwen3-like T = 16, tutel 18.4 ms in such a run against 14.6 after a
+read.)  Ratios above 1 in *best_transformers/tutel* mean tutel is faster.
 
 What limits tutel here, as measured (docs/design.md, "Routed experts" and "Skinny products"): at a
 few rows per expert (decoding, T <= 128 with top-8 of 64) the expert products are tutel's skinny
 products, which stream each active expert's weights once (bf16 widened in registers) where PyTorch's
 GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read them below the
-machine's bandwidth (table "Grouped expert products" below), with a non-temporal prefetch so that
-the streamed weights do not evict everything else the step uses. Up to 4096 grouped rows the whole
+machine's bandwidth (table "Grouped expert products" below); on AMD CPUs with a non-temporal
+prefetch so that the streamed weights do not evict everything else the step uses (Intel's cores
+keep such lines out of L2 and read at a third of the rate: Qwen3-like T = 1 6.3 ms with the hint
+on an Intel Xeon, 2.5 without, so it is not given there).  Where PyTorch's GEMM has units the
+skinny products (AVX2) lack, it takes over from fewer rows: 9 per expert for float32 with Intel's
+AVX-512, 5 for bfloat16 with AMX or AVX512-BF16, instead of 33 (Mixtral-like bf16 T = 128 on an
+Intel Xeon with AMX: 54 -> 21 ms, grouped_mm 27).  Up to 4096 grouped rows the whole
 call of gated experts is one operator (`tutel::routed_gated_experts`: grouping, the rows' copy, both
 products, the unit, the weighted sum), called without the dispatcher and, from transformers, with
 the module's layout cached; what remains at T = 1 besides the weights' streaming is about 0.2 ms
 of fixed costs with the caches cold after the weights streamed through them: transformers' own
 dispatch to the experts implementation (about 85 us), the shortcut's checks and the operator's work
 around the products (docs/design.md, "Cold fixed costs at one token"; the whole call at smoke sizes
-0.45-0.58 ms before those changes, 0.20-0.26 after). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
+0.45-0.58 ms before those changes, 0.20-0.26 after).  Those fixed costs are what keeps the scaled
+layers' T = 1 above 1.25x their bandwidth limit (DeepSeek-like: 25 MB of weights, 0.86 ms at the read
+probe's rate in float32); at the published layer shapes (the full-size table below) the same call
+took 0.79-1.16x of it (below 1 where the prefetched streams read faster than the probe's plain sum). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
 two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
 inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
 0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
@@ -403,7 +417,8 @@ process, `MALLOC_MMAP_MAX_=0` and a large `MALLOC_TRIM_THRESHOLD_`, its step fel
 gate+up product, the gated unit in one pass forward and one backward where PyTorch's composition
 makes 5 to 12 (also for moe_layer's separate gate and up products), the biases inside the products
 and routing in one counting pass; in inference the rows go through the experts in pieces of about
-64 MiB gathered from the tokens and added back, so no buffer spans all T*k rows. On a CPU without native bf16 dot products tutel runs 16-bit GEMMs
+64 MiB gathered from the tokens and added back, so no buffer spans all T*k rows. With native bf16
+dot products (AMX) the 16-bit GEMMs run in bf16; on a CPU without them tutel runs 16-bit GEMMs
 in float32 once experts average 32 rows, which transformers' backends do not; the widened weights
 go into reused buffers (`tutel::to_dtype`): into fresh tensors the conversion's page faults cost
 more than the conversion (Mixtral-like experts at T = 128: 188.7 -> 86.0 ms per call). The bf16 compute limit
