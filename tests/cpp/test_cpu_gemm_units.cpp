@@ -11,26 +11,25 @@
 
 namespace {
 
-// The first processor's flags, or an empty set where /proc/cpuinfo has none (not Linux on x86).
-std::set<std::string> kernel_cpu_flags() {
+// The value of the first processor's `field` line in /proc/cpuinfo; empty where there is none (not
+// Linux on x86).
+std::string cpuinfo_field(const std::string& field) {
   std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    std::istringstream words(line.substr(line.find(':') + 1));
-    std::set<std::string> flags;
-    for (std::string flag; words >> flag;) flags.insert(flag);
-    return flags;
+  for (std::string line; std::getline(cpuinfo, line);) {
+    const size_t colon = line.find(':');
+    if (line.rfind(field, 0) == 0 && colon != std::string::npos) {
+      const size_t value = line.find_first_not_of(" \t", colon + 1);
+      return value == std::string::npos ? std::string() : line.substr(value);
+    }
   }
   return {};
 }
 
-std::string cpu_vendor() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line))
-    if (line.rfind("vendor_id", 0) == 0) return line.substr(line.find(':') + 2);
-  return {};
+std::set<std::string> kernel_cpu_flags() {
+  std::istringstream words(cpuinfo_field("flags"));
+  std::set<std::string> flags;
+  for (std::string flag; words >> flag;) flags.insert(flag);
+  return flags;
 }
 
 }  // namespace
@@ -45,6 +44,6 @@ TEST(CpuGemmUnits, Bf16DotMatchesTheKernelsFlags) {
 TEST(CpuGemmUnits, WideFmaMeansIntelWithAvx512) {
   const std::set<std::string> flags = kernel_cpu_flags();
   if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this system";
-  const bool expected = cpu_vendor() == "GenuineIntel" && flags.count("avx512f");
+  const bool expected = cpuinfo_field("vendor_id") == "GenuineIntel" && flags.count("avx512f");
   EXPECT_EQ(tutel::core::cpu_gemm_has_wide_fma(), expected);
 }
