@@ -9,8 +9,8 @@ namespace core {
 namespace {
 
 #if defined(__x86_64__) || defined(__i386__)
-// CPUID leaf 7 (structured extended features), subleaf `sub`: {ebx, ecx, edx, eax}; zeros when the
-// CPU has no such leaf.
+// The registers of CPUID leaf 7 (structured extended features), subleaf `sub`; zeros when the CPU
+// has no such leaf.
 struct Leaf7 {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
 };

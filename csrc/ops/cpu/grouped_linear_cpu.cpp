@@ -74,7 +74,7 @@ int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
   const at::ScalarType dtype = rows.scalar_type();
   if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return kSkinnyMaxRowsBesideWideFma;
   if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()) return kSkinnyMaxRowsBesideBf16Dot;
-  if (layout != core::WeightLayout::kOutputsByInner || rows.scalar_type() != at::kFloat) return kSkinnyMaxRows;
+  if (layout != core::WeightLayout::kOutputsByInner || dtype != at::kFloat) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
   return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
 }
