@@ -343,8 +343,8 @@ TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_
       }
     }
   }
-  const RowPrefetch pf{kPrefetchRowsAhead * p.w_stride, nontemporal_hint_pays() && kPrefetchRowsAhead * width *
-                                                                                int64_t(sizeof(T)) <= kNonTemporalWindowStream};
+  const bool in_window = kPrefetchRowsAhead * width * int64_t(sizeof(T)) <= kNonTemporalWindowStream;
+  const RowPrefetch pf{kPrefetchRowsAhead * p.w_stride, nontemporal_hint_pays() && in_window};
   int64_t k = 0;
   for (; k + 4 <= inner; k += 4) stream_all_rows<T, 4>(p, k, o, width, acc.data(), pf);
   for (; k < inner; ++k) stream_all_rows<T, 1>(p, k, o, width, acc.data(), pf);
