@@ -62,14 +62,15 @@ inline int64_t stream_tile_outputs(size_t products, int64_t outputs) {
 
 template <class T>
 const SkinnyKernels<T>& portable_skinny_kernels() {
-  static const SkinnyKernels<T> kernels{&portable_outputs_by_inner<T>, &portable_inner_by_outputs<T>};
+  static const SkinnyKernels<T> kernels{&portable_outputs_by_inner<T>, &portable_inner_by_outputs<T>, 0, 0};
   return kernels;
 }
 
 template <class T>
 const SkinnyKernels<T>& skinny_kernels() {
-  static const SkinnyKernels<T>& chosen = avx2_skinny_kernels<T>() ? *avx2_skinny_kernels<T>()
-                                                                    : portable_skinny_kernels<T>();
+  static const SkinnyKernels<T>& chosen = avx512_skinny_kernels<T>()  ? *avx512_skinny_kernels<T>()
+                                          : avx2_skinny_kernels<T>() ? *avx2_skinny_kernels<T>()
+                                                                     : portable_skinny_kernels<T>();
   return chosen;
 }
 

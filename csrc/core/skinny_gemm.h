@@ -51,9 +51,13 @@ template <class T>
 struct SkinnyKernels {
   SkinnyKernel<T> outputs_by_inner;
   SkinnyKernel<T> inner_by_outputs;
+  // The width in bits of the vectors each computes with: 512 (AVX-512), 256 (AVX2) or 0
+  // (portable).  Where PyTorch's GEMM overtakes the skinny products depends on it.
+  int outputs_by_inner_bits;
+  int inner_by_outputs_bits;
 };
 
-// The fastest kernels this CPU supports (chosen on first use).
+// The fastest kernels this CPU supports (chosen on first use): AVX-512, else AVX2, else portable.
 template <class T>
 const SkinnyKernels<T>& skinny_kernels();
 
@@ -64,6 +68,18 @@ const SkinnyKernels<T>& portable_skinny_kernels();
 // The AVX2 + FMA kernels, or nullptr when this build or this CPU has none (and for double).
 template <class T>
 const SkinnyKernels<T>* avx2_skinny_kernels();
+
+// The AVX-512 kernels (AVX512F/BW/VL/DQ) for the [O, K] layout, beside the AVX2 kernel for [K, O];
+// bfloat16 [O, K] on AVX512-BF16's dot products where the CPU has them.  nullptr when this build
+// or this CPU has none (and for double).
+template <class T>
+const SkinnyKernels<T>* avx512_skinny_kernels();
+
+// The same with 16-bit values widened to float in registers: what avx512_skinny_kernels gives for
+// bfloat16 on a CPU without AVX512-BF16 (and for float and float16 everywhere); nullptr as above.
+// The tests run them on every CPU with AVX-512.
+template <class T>
+const SkinnyKernels<T>* avx512_widening_skinny_kernels();
 
 // Runs every product (all with `inner`, `outputs` and `layout` in common), splitting their
 // outputs into tiles that run in parallel: one fork for all of them, so many small experts

@@ -1,8 +1,9 @@
-// Skinny products: the portable and the AVX2 kernels (when this CPU has them) against double
+// Skinny products: the portable, AVX2 and AVX-512 kernels (those this CPU has) against double
 // sums, for both matrix layouts, every storage type, odd sizes, strides and output ranges.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -95,7 +96,7 @@ TYPED_TEST_SUITE(SkinnyGemmTest, StorageTypes);
 
 TYPED_TEST(SkinnyGemmTest, PortableKernelsMatchDoubleSums) { check_kernels(portable_skinny_kernels<TypeParam>()); }
 
-TYPED_TEST(SkinnyGemmTest, VectorisedKernelsMatchDoubleSums) {
+TYPED_TEST(SkinnyGemmTest, Avx2KernelsMatchDoubleSums) {
   const SkinnyKernels<TypeParam>* kernels = avx2_skinny_kernels<TypeParam>();
   if (std::is_same<TypeParam, double>::value) {
     EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
@@ -103,6 +104,140 @@ TYPED_TEST(SkinnyGemmTest, VectorisedKernelsMatchDoubleSums) {
   }
   if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX2 + FMA";
   check_kernels(*kernels);
+}
+
+TYPED_TEST(SkinnyGemmTest, Avx512KernelsMatchDoubleSums) {
+  const SkinnyKernels<TypeParam>* kernels = avx512_skinny_kernels<TypeParam>();
+  if (std::is_same<TypeParam, double>::value) {
+    EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
+    return;
+  }
+  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX-512";
+  check_kernels(*kernels);
+}
+
+// What a CPU with AVX-512 but without AVX512-BF16 runs for bfloat16 (the same kernels as above
+// for the other types).
+TYPED_TEST(SkinnyGemmTest, Avx512WideningKernelsMatchDoubleSums) {
+  const SkinnyKernels<TypeParam>* kernels = avx512_widening_skinny_kernels<TypeParam>();
+  if (std::is_same<TypeParam, double>::value) {
+    EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
+    return;
+  }
+  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX-512";
+  check_kernels(*kernels);
+}
+
+// Bit patterns, to compare results that must be identical (NaN included).
+template <class T>
+uint64_t bits_of(T v) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+
+// Products whose float sums are exact (x selects one matrix element, the bias adds a value within
+// a few binades of it) but fall between two values of T, two thirds of them ties, and a NaN bias
+// with a payload: every
+// kernel must store what Scalar<T>::store makes of the sum, so 16-bit results round to nearest even
+// and NaN is written as scalar.h writes it.
+template <class T>
+void check_rounding(const SkinnyKernels<T>& kernels) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> large(1.f, 2.f), small(1.f / 1024, 1.f / 64);
+  const int64_t rows = 5, inner = 20, outputs = 37;
+  // Half a unit in the last place of T in [1, 2): sums that end in it are ties (for float the add
+  // itself rounds, alike in kernel and reference).
+  const float half_ulp = float(unit_rounding(T()));
+  // A NaN with every payload bit set: rounding its bits as a number would carry into the sign.
+  T payload_nan;
+  const uint32_t nan_bits = sizeof(T) == 2 ? 0x7fffu : 0x7fffffffu;
+  std::memcpy(&payload_nan, &nan_bits, sizeof(T));
+  for (WeightLayout layout : {WeightLayout::kOutputsByInner, WeightLayout::kInnerByOutputs}) {
+    const bool by_inner = layout == WeightLayout::kOutputsByInner;
+    std::vector<T> x(rows * inner, Scalar<T>::store(0.f)), w(outputs * inner), bias(outputs), y(rows * outputs);
+    for (int64_t r = 0; r < rows; ++r) x[r * inner + r] = Scalar<T>::store(1.f);  // row r picks k = r
+    for (auto& v : w) v = Scalar<T>::store(large(rng));
+    for (int64_t o = 0; o < outputs; ++o)
+      bias[o] = Scalar<T>::store(o % 3 == 0 ? small(rng) : half_ulp * float(o % 3 == 1 ? 1 : 3));
+    bias[4] = payload_nan;
+    const int64_t w_stride = by_inner ? inner : outputs;
+    const SkinnyKernel<T> kernel = by_inner ? kernels.outputs_by_inner : kernels.inner_by_outputs;
+    kernel({x.data(), inner, w.data(), w_stride, bias.data(), y.data(), outputs, rows}, inner, 0, outputs);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < outputs; ++o) {
+        const T picked = by_inner ? w[o * inner + r] : w[r * outputs + o];
+        const T expected = Scalar<T>::store(Scalar<T>::load(picked) + Scalar<T>::load(bias[o]));
+        ASSERT_EQ(bits_of(y[r * outputs + o]), bits_of(expected))
+            << (by_inner ? "[O, K]" : "[K, O]") << " row " << r << " output " << o;
+      }
+  }
+}
+
+TYPED_TEST(SkinnyGemmTest, EveryKernelRoundsItsSumsAsScalarStores) {
+  check_rounding(portable_skinny_kernels<TypeParam>());
+  for (const SkinnyKernels<TypeParam>* kernels :
+       {avx2_skinny_kernels<TypeParam>(), avx512_skinny_kernels<TypeParam>(), avx512_widening_skinny_kernels<TypeParam>()})
+    if (kernels != nullptr) check_rounding(*kernels);
+}
+
+// Each token row of a product multiplied with 12 others and alone: bit for bit the same results.
+template <class T>
+void check_rows_alone(const SkinnyKernels<T>& kernels) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (WeightLayout layout : {WeightLayout::kOutputsByInner, WeightLayout::kInnerByOutputs}) {
+    for (int64_t inner : {64, 77, 1500, 5000}) {
+      const int64_t rows = 13, outputs = 37;
+      std::vector<T> x(rows * inner), w(outputs * inner), together(rows * outputs), alone(outputs);
+      for (auto& v : x) v = Scalar<T>::store(dist(rng));
+      for (auto& v : w) v = Scalar<T>::store(dist(rng));
+      const bool by_inner = layout == WeightLayout::kOutputsByInner;
+      const SkinnyKernel<T> kernel = by_inner ? kernels.outputs_by_inner : kernels.inner_by_outputs;
+      const int64_t w_stride = by_inner ? inner : outputs;
+      kernel({x.data(), inner, w.data(), w_stride, nullptr, together.data(), outputs, rows}, inner, 0, outputs);
+      for (int64_t r = 0; r < rows; ++r) {
+        kernel({x.data() + r * inner, inner, w.data(), w_stride, nullptr, alone.data(), outputs, 1}, inner, 0, outputs);
+        for (int64_t o = 0; o < outputs; ++o)
+          ASSERT_EQ(value(alone[o]), value(together[r * outputs + o]))
+              << (by_inner ? "[O, K]" : "[K, O]") << " inner " << inner << " row " << r << " output " << o;
+      }
+    }
+  }
+}
+
+// The AVX-512 [O, K] kernels sum each output in one chain whatever block its token row falls in
+// (and the AVX2 [K, O] kernel beside them keeps a sum per token row), so a token row's results do
+// not depend on how many rows its expert has.  Inner sizes with and without a tail, in one chunk
+// of k and in several.
+TYPED_TEST(SkinnyGemmTest, Avx512RowsDoNotDependOnTheirNeighbours) {
+  if (std::is_same<TypeParam, double>::value) return;  // no vectorised kernels (checked above)
+  for (const SkinnyKernels<TypeParam>* kernels :
+       {avx512_skinny_kernels<TypeParam>(), avx512_widening_skinny_kernels<TypeParam>()}) {
+    if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX-512";
+    check_rows_alone(*kernels);
+  }
+}
+
+// The widths the kernel sets report, which decide where PyTorch's GEMM takes over.
+TYPED_TEST(SkinnyGemmTest, KernelSetsReportTheirVectorWidths) {
+  const SkinnyKernels<TypeParam>& portable = portable_skinny_kernels<TypeParam>();
+  EXPECT_EQ(portable.outputs_by_inner_bits, 0);
+  EXPECT_EQ(portable.inner_by_outputs_bits, 0);
+  if (const SkinnyKernels<TypeParam>* avx2 = avx2_skinny_kernels<TypeParam>()) {
+    EXPECT_EQ(avx2->outputs_by_inner_bits, 256);
+    EXPECT_EQ(avx2->inner_by_outputs_bits, 256);
+  }
+  for (const SkinnyKernels<TypeParam>* avx512 :
+       {avx512_skinny_kernels<TypeParam>(), avx512_widening_skinny_kernels<TypeParam>()}) {
+    if (avx512 == nullptr) continue;
+    EXPECT_EQ(avx512->outputs_by_inner_bits, 512);
+    EXPECT_EQ(avx512->inner_by_outputs_bits, 256);
+    EXPECT_EQ(avx512->inner_by_outputs, avx2_skinny_kernels<TypeParam>()->inner_by_outputs);
+  }
+  const SkinnyKernels<TypeParam>* best = avx512_skinny_kernels<TypeParam>();
+  if (best == nullptr) best = avx2_skinny_kernels<TypeParam>();
+  EXPECT_EQ(&skinny_kernels<TypeParam>(), best != nullptr ? best : &portable) << "the widest kernels this CPU has";
 }
 
 // Runs skinny_products on products with the given row counts and checks every output.

@@ -44,7 +44,8 @@ constexpr int64_t kSkinnyMaxRows = 32;
 // group's token rows again, and past about L2's share they come from further out, while
 // PyTorch's GEMM packs the matrix once for all of them.  16-bit rows keep the plain bound: their
 // GEMM alternative is slower still without 16-bit dot products, and [K, O] matrices stream past
-// per-thread sums instead.
+// per-thread sums instead.  The AVX-512 products read the token rows in chunks that stay in L1
+// (core/skinny_avx512_dot.h), so the bound is for the AVX2 ones.
 constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
 
 // Up to this many rows the skinny products beat PyTorch's GEMM for float32 [O, K] matrices of
@@ -57,24 +58,50 @@ constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
 // 8.2 / 6.6 / 5.3 against 7.5 / 7.3 / 6.4.
 constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 
-// Where PyTorch's GEMM has units the skinny products lack (core/cpu_gemm_units.h) it overtakes
-// them at fewer rows, in both layouts: from about 9 rows for float32 with full-width 512-bit FMA,
-// from about 5 for bfloat16 with native bfloat16 dot products (AMX computes a tile of them at
-// once).  Measured on an Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, each product after
-// a 600 MB read, ms skinny / GEMM: float32 [O, K] 1024 x 1024 at 8 / 12 / 16 rows 1.49 / 2.36 /
-// 3.07 against 2.09 / 2.80 / 2.74, 1024 x 512 0.93 / 1.42 / 2.57 against 1.02 / 1.31 / 1.52, 7168 x
-// 1024 at 8 / 12 rows 12.2 / 30.0 against 21.3 / 27.5; [K, O] 1024 x 512 at 8 rows 1.27 against
-// 0.97; bfloat16 [O, K] 7168 x 1024 at 4 / 6 / 8 rows 9.0 / 13.4 / 12.4 against 8.7 / 10.9 / 7.9,
-// 1024 x 3584 3.1 / 5.2 / 6.8 against 3.6 / 3.8 / 3.7.  At 1-2 rows the skinny products took
-// 0.3-0.7x the GEMM's time.
+// Where PyTorch's GEMM has units the AVX2 skinny products lack (core/cpu_gemm_units.h) it
+// overtakes them at fewer rows, in both layouts: from about 9 rows for float32 with full-width
+// 512-bit FMA, from about 5 for bfloat16 with native bfloat16 dot products (AMX computes a tile of
+// them at once).  Measured on an Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, each
+// product after a 600 MB read, ms skinny / GEMM: float32 [O, K] 1024 x 1024 at 8 / 12 / 16 rows
+// 1.49 / 2.36 / 3.07 against 2.09 / 2.80 / 2.74, 1024 x 512 0.93 / 1.42 / 2.57 against 1.02 / 1.31 /
+// 1.52, 7168 x 1024 at 8 / 12 rows 12.2 / 30.0 against 21.3 / 27.5; [K, O] 1024 x 512 at 8 rows
+// 1.27 against 0.97; bfloat16 [O, K] 7168 x 1024 at 4 / 6 / 8 rows 9.0 / 13.4 / 12.4 against 8.7 /
+// 10.9 / 7.9, 1024 x 3584 3.1 / 5.2 / 6.8 against 3.6 / 3.8 / 3.7.  At 1-2 rows the skinny
+// products took 0.3-0.7x the GEMM's time.
 constexpr int64_t kSkinnyMaxRowsBesideWideFma = 8;
 constexpr int64_t kSkinnyMaxRowsBesideBf16Dot = 4;
 
+// The AVX-512 skinny products of the [O, K] layout (core/skinny_avx512_dot.h) run on the same
+// units as such a GEMM and keep their lead further: float32 to 32 rows whatever the row length,
+// bfloat16 to 6.  Measured on the same Xeon, 8 active experts, each product after a 600 MB read,
+// ms AVX-512 skinny / GEMM in two runs: float32 1024 x 1024 at 16 / 24 / 32 rows 2.50-2.75 /
+// 3.08-3.51 / 3.88-4.70 against 3.16-4.07 / 3.62-3.76 / 4.38-4.96, 1024 x 3584 at 8 / 16 / 24 / 32
+// rows 5.4-6.2 / 7.4-9.6 / 9.6-13.1 / 12.1-16.0 against 12.6-15.0 / 10.7-11.3 / 12.1-12.8 /
+// 14.8-15.4; bfloat16 1024 x 1024 at 6 / 8 / 12 rows 1.02-1.33 / 1.24-1.46 / 1.69-2.00 against
+// 1.93-2.18 / 1.65-1.90 / 1.76-1.93, 1024 x 3584 at 6 / 8 rows 4.13-4.14 / 4.24-4.88 against
+// 3.22-4.31 / 3.16-4.37.
+constexpr int64_t kWideSkinnyMaxRowsBesideBf16Dot = 6;
+
+// The vector width of the skinny products this CPU runs for `dtype` in `layout`.
+int skinny_vector_bits(at::ScalarType dtype, core::WeightLayout layout) {
+  const auto bits = [layout](const auto& kernels) {
+    return layout == core::WeightLayout::kOutputsByInner ? kernels.outputs_by_inner_bits : kernels.inner_by_outputs_bits;
+  };
+  switch (dtype) {
+    case at::kFloat: return bits(core::skinny_kernels<float>());
+    case at::kBFloat16: return bits(core::skinny_kernels<core::bfloat16>());
+    case at::kHalf: return bits(core::skinny_kernels<core::float16>());
+    default: return 0;
+  }
+}
+
 int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
   const at::ScalarType dtype = rows.scalar_type();
-  if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return kSkinnyMaxRowsBesideWideFma;
-  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()) return kSkinnyMaxRowsBesideBf16Dot;
-  if (layout != core::WeightLayout::kOutputsByInner || dtype != at::kFloat) return kSkinnyMaxRows;
+  const bool wide_skinny = skinny_vector_bits(dtype, layout) == 512;
+  if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return wide_skinny ? kSkinnyMaxRows : kSkinnyMaxRowsBesideWideFma;
+  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot())
+    return wide_skinny ? kWideSkinnyMaxRowsBesideBf16Dot : kSkinnyMaxRowsBesideBf16Dot;
+  if (layout != core::WeightLayout::kOutputsByInner || dtype != at::kFloat || wide_skinny) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
   return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
 }

@@ -1,0 +1,246 @@
+// The [O, K] walk of the AVX-512 skinny products (skinny_gemm_avx512.cpp), on a dot-product step
+// `Dot` that says how many elements one multiply-add of a vector of float sums consumes:
+//
+//   using Operand;                      // what a load gives
+//   static constexpr int64_t kStep;     // elements per load
+//   static Operand load(const T*);      // kStep elements
+//   static Operand load_first(const T*, int64_t n);  // the first n < kStep, the rest zero
+//   static __m512 madd(__m512 acc, Operand w, Operand x);
+//
+// The includer defines TUTEL_SKINNY_DOT_TARGET, the target attribute these functions are compiled
+// for (the instruction sets its Dot needs), so that the bfloat16 dot products' instructions are
+// compiled only into the file whose kernels run after a check for them.  Everything here has
+// internal linkage: no copy compiled for one target is linked in place of another's.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "skinny_gemm.h"
+#include "skinny_prefetch.h"
+
+#ifndef TUTEL_SKINNY_DOT_TARGET
+#error "define TUTEL_SKINNY_DOT_TARGET before including skinny_avx512_dot.h"
+#endif
+
+#define TUTEL_HAVE_AVX512_KERNELS 1
+#define TUTEL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
+
+namespace tutel {
+namespace core {
+namespace skinny {
+
+// What the AVX-512 kernels need of the CPU (and of the OS: __builtin_cpu_supports checks that it
+// saves the 512-bit state).
+inline bool cpu_has_avx512() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return supported;
+}
+
+inline bool cpu_has_avx512_bf16() {
+  static const bool supported = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+// The bfloat16 [O, K] kernel on VDPBF16PS (skinny_gemm_avx512_bf16.cpp); run it only where
+// cpu_has_avx512_bf16().
+SkinnyKernel<bfloat16> bf16_dot_outputs_by_inner();
+
+namespace {
+
+// A vector's two halves added.
+TUTEL_SKINNY_DOT_TARGET inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), _mm512_extractf32x8_ps(v, 1));
+}
+
+// The sum of a vector's 16 lanes, halves added pairwise.  (_mm512_reduce_add_ps does the same but
+// draws GCC 12's uninitialised-value warnings, as does _mm512_castps512_ps256.)
+TUTEL_SKINNY_DOT_TARGET inline float horizontal_sum(__m512 v) {
+  const __m256 eight = fold(v);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// The sums of four vectors' lanes, in lanes 0-3: each vector folded to 8 lanes, then pairs of
+// neighbours added across the four (a quarter of the instructions of four horizontal_sum).
+TUTEL_SKINNY_DOT_TARGET inline __m128 four_sums(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 ab = _mm256_hadd_ps(fold(a), fold(b));
+  const __m256 cd = _mm256_hadd_ps(fold(c), fold(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Four consecutive elements of T as four floats, and back (16-bit stores round to nearest even
+// and write NaN as scalar.h does, so the outputs are those of Scalar<T>::store).
+template <class T>
+struct Four;
+
+template <>
+struct Four<float> {
+  TUTEL_SKINNY_DOT_TARGET static __m128 load(const float* p) { return _mm_loadu_ps(p); }
+  TUTEL_SKINNY_DOT_TARGET static void store(float* p, __m128 v) { _mm_storeu_ps(p, v); }
+};
+
+template <>
+struct Four<bfloat16> {
+  TUTEL_SKINNY_DOT_TARGET static __m128 load(const bfloat16* p) {
+    const __m128i wide = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm_castsi128_ps(_mm_slli_epi32(wide, 16));
+  }
+  TUTEL_SKINNY_DOT_TARGET static void store(bfloat16* p, __m128 v) {
+    const __m128i u = _mm_castps_si128(v);
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
+    rounded = _mm_mask_blend_epi32(_mm_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm_set1_epi32(0x7fc0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(rounded, rounded));
+  }
+};
+
+template <>
+struct Four<float16> {
+  TUTEL_SKINNY_DOT_TARGET static __m128 load(const float16* p) {
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  TUTEL_SKINNY_DOT_TARGET static void store(float16* p, __m128 v) {
+    const __m128i converted = _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    const __m128i u = _mm_castps_si128(v);
+    const __m128i canonical = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x8000)),
+                                           _mm_set1_epi32(0x7e00));
+    const __m128i canonical16 = _mm_packus_epi32(canonical, canonical);
+    const __mmask8 is_nan = _mm_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_mask_blend_epi16(is_nan, converted, canonical16));
+  }
+};
+
+// The inner dimension goes in chunks of this many bytes of a row: four matrix rows' chunks and
+// the chunks of every token row then stay in L1 (48 KiB on the Xeons with AVX-512, 32 on Zen 4)
+// while the blocks of token rows pass over them, however long the rows; between chunks each
+// block's sums wait in memory.
+constexpr int64_t kChunkBytes = 2 << 10;
+
+// y[r + j, o + i] for i < NO, j < NR, the part of their sums over k in [k_begin, k_end): one float
+// vector of sums per output, each matrix vector loaded once for the NR token rows and each token
+// vector once for the NO matrix rows.  The sums start from zero at k_begin = 0 and from `carry`
+// otherwise; with `finish` the block also takes the k tail past k_end (fewer than Dot::kStep
+// elements, masked) and writes the outputs, otherwise it leaves its sums in `carry`.  kPrefetch:
+// whether this block asks for the matrix data further on (the first block of token rows does; the
+// others read the same matrix rows and would ask again).
+template <class T, class Dot, int NO, int NR, bool kPrefetch>
+TUTEL_SKINNY_DOT_TARGET void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, int64_t k_begin,
+                                       int64_t k_end, bool finish, float* carry, const RowPrefetch& pf) {
+  __m512 acc[NO][NR];
+  const T* w[NO];
+  const T* x[NR];
+  for (int i = 0; i < NO; ++i) {
+    w[i] = p.w + (o + i) * p.w_stride;
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = k_begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(carry + (i * NR + j) * 16);
+  }
+  for (int j = 0; j < NR; ++j) x[j] = p.x + (r + j) * p.x_stride;
+  int64_t k = k_begin;
+  for (; k + Dot::kStep <= k_end; k += Dot::kStep) {
+    typename Dot::Operand wv[NO];
+    for (int i = 0; i < NO; ++i) {
+      if constexpr (kPrefetch) prefetch_ahead(w[i] + k, pf);
+      wv[i] = Dot::load(w[i] + k);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const typename Dot::Operand xv = Dot::load(x[j] + k);
+      for (int i = 0; i < NO; ++i) acc[i][j] = Dot::madd(acc[i][j], wv[i], xv);
+    }
+  }
+  if (!finish) {
+    for (int i = 0; i < NO; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(carry + (i * NR + j) * 16, acc[i][j]);
+    return;
+  }
+  if (k < inner) {
+    const int64_t n = inner - k;
+    typename Dot::Operand wv[NO];
+    for (int i = 0; i < NO; ++i) wv[i] = Dot::load_first(w[i] + k, n);
+    for (int j = 0; j < NR; ++j) {
+      const typename Dot::Operand xv = Dot::load_first(x[j] + k, n);
+      for (int i = 0; i < NO; ++i) acc[i][j] = Dot::madd(acc[i][j], wv[i], xv);
+    }
+  }
+  if constexpr (NO == 4) {  // four outputs of a token row at once
+    const __m128 bias = p.bias ? Four<T>::load(p.bias + o) : _mm_setzero_ps();
+    for (int j = 0; j < NR; ++j) {
+      const __m128 sums = four_sums(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+      Four<T>::store(p.y + (r + j) * p.y_stride + o, p.bias ? _mm_add_ps(sums, bias) : sums);
+    }
+  } else {
+    for (int j = 0; j < NR; ++j) {
+      for (int i = 0; i < NO; ++i) {
+        float sum = horizontal_sum(acc[i][j]);
+        if (p.bias) sum += Scalar<T>::load(p.bias[o + i]);
+        p.y[(r + j) * p.y_stride + o + i] = Scalar<T>::store(sum);
+      }
+    }
+  }
+}
+
+// dot_block for NR = rows (1 <= rows <= kRows) chosen at run time.
+template <class T, class Dot, int NO, int kRows, bool kPrefetch>
+TUTEL_SKINNY_DOT_TARGET void dot_block_of(int64_t rows, const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r,
+                                          int64_t k_begin, int64_t k_end, bool finish, float* carry,
+                                          const RowPrefetch& pf) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) {
+      dot_block_of<T, Dot, NO, kRows - 1, kPrefetch>(rows, p, inner, o, r, k_begin, k_end, finish, carry, pf);
+      return;
+    }
+  }
+  dot_block<T, Dot, NO, kRows, kPrefetch>(p, inner, o, r, k_begin, k_end, finish, carry, pf);
+}
+
+// Matrix rows [o, o + NO) against every token row: for each chunk of k, blocks of kRows token rows
+// (the last one shorter), each with its own sums in `carry` (NO * kRows vectors per block).
+template <class T, class Dot, int NO, int kRows>
+TUTEL_SKINNY_DOT_TARGET void dot_all_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t chunk,
+                                          float* carry, const RowPrefetch& pf) {
+  const int64_t full_steps = inner / Dot::kStep * Dot::kStep;  // the chunks cover these; the rest is the tail
+  int64_t k_begin = 0;
+  do {
+    const int64_t k_end = std::min(full_steps, k_begin + chunk);
+    const bool finish = k_end == full_steps;
+    for (int64_t r = 0; r < p.rows; r += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, p.rows - r);
+      float* sums = carry + (r / kRows) * (NO * kRows * 16);
+      if (r == 0)
+        dot_block_of<T, Dot, NO, kRows, true>(rows, p, inner, o, r, k_begin, k_end, finish, sums, pf);
+      else
+        dot_block_of<T, Dot, NO, kRows, false>(rows, p, inner, o, r, k_begin, k_end, finish, sums, pf);
+    }
+    k_begin = k_end;
+  } while (k_begin < full_steps);
+}
+
+template <class T, class Dot>
+TUTEL_SKINNY_DOT_TARGET void outputs_by_inner(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
+  constexpr int64_t kChunk = std::max<int64_t>(Dot::kStep, kChunkBytes / int64_t(sizeof(T)) / Dot::kStep * Dot::kStep);
+  constexpr int kRows = 4, kTailRows = 8;  // 16 sums per block either way, of the 32 vector registers
+  thread_local std::vector<float> carry;  // reused by every call of this thread
+  const int64_t blocks = (p.rows + kRows - 1) / kRows;
+  carry.resize(std::max<int64_t>(blocks * 4 * kRows, (p.rows + kTailRows - 1) / kTailRows * 2 * kTailRows) * 16);
+  // Rows of one chunk are prefetched whole rows ahead (as the AVX2 kernels do); longer rows one chunk
+  // ahead along the row, the order the chunks are read in.
+  RowPrefetch pf = skinny::outputs_by_inner_prefetch(inner * int64_t(sizeof(T)), p.w_stride);
+  if (inner > kChunk) pf.ahead = kChunk;
+  int64_t o = o_begin;
+  for (; o + 4 <= o_end; o += 4) dot_all_rows<T, Dot, 4, kRows>(p, inner, o, kChunk, carry.data(), pf);
+  for (; o + 2 <= o_end; o += 2) dot_all_rows<T, Dot, 2, kTailRows>(p, inner, o, kChunk, carry.data(), pf);
+  for (; o < o_end; ++o) dot_all_rows<T, Dot, 1, kTailRows>(p, inner, o, kChunk, carry.data(), pf);
+}
+
+}  // namespace
+}  // namespace skinny
+}  // namespace core
+}  // namespace tutel
