@@ -386,10 +386,15 @@ GEMMs, behind both `grouped_mm` and `eager`, pack the weights first and read the
 machine's bandwidth (table "Grouped expert products" below); on AMD CPUs with a non-temporal
 prefetch so that the streamed weights do not evict everything else the step uses (Intel's cores
 keep such lines out of L2 and read at a third of the rate: Qwen3-like T = 1 6.3 ms with the hint
-on an Intel Xeon, 2.5 without, so it is not given there).  Where PyTorch's GEMM has units the
-skinny products (AVX2) lack, it takes over from fewer rows: 9 per expert for float32 with Intel's
-AVX-512, 5 for bfloat16 with AMX or AVX512-BF16, instead of 33 (Mixtral-like bf16 T = 128 on an
-Intel Xeon with AMX: 54 -> 21 ms, grouped_mm 27).  Up to 4096 grouped rows the whole
+on an Intel Xeon, 2.5 without, so it is not given there).  The skinny products have an AVX2 and
+an AVX-512 build: with AVX-512 (register blocks of 4 x 4 for `[O, K]` weights, strips with the sums
+in registers for `[K, O]`, bf16 on AVX512-BF16's dot products) they keep up with PyTorch's AVX-512
+GEMM to 32 rows per expert in float32 and, beside AMX, to 6-8 in bfloat16; the AVX2 build hands
+over at 9 and 5 rows on such a CPU.  Measured on an Intel Xeon in A/B runs of this benchmark (two
+each, tutel ms before -> after): float32 T = 128 Qwen3-like 39.5 -> 27.5 and 40.6 -> 35.3,
+DeepSeek-like 25.0 -> 14.5 and 29.2 -> 16.5, gpt-oss-like (`[K, O]`) 40.7 -> 29.3 and 43.1 ->
+31.9, moe_layer on Qwen3-like (`[K, O]`) 46.4 -> 27.3 and 47.1 -> 27.3; bfloat16 T = 16
+Qwen3-like 13.5 -> 6.9 and 11.5 -> 7.2, DeepSeek-like 5.3 -> 3.7 and 6.7 -> 3.9.  Up to 4096 grouped rows the whole
 call of gated experts is one operator (`tutel::routed_gated_experts`: grouping, the rows' copy, both
 products, the unit, the weighted sum), called without the dispatcher and, from transformers, with
 the module's layout cached; what remains at T = 1 besides the weights' streaming is about 0.2 ms

@@ -69,9 +69,8 @@ const SkinnyKernels<T>& portable_skinny_kernels();
 template <class T>
 const SkinnyKernels<T>* avx2_skinny_kernels();
 
-// The AVX-512 kernels (AVX512F/BW/VL/DQ) for the [O, K] layout, beside the AVX2 kernel for [K, O];
-// bfloat16 [O, K] on AVX512-BF16's dot products where the CPU has them.  nullptr when this build
-// or this CPU has none (and for double).
+// The AVX-512 kernels (AVX512F/BW/VL/DQ; bfloat16 [O, K] on AVX512-BF16's dot products where the
+// CPU has them), or nullptr when this build or this CPU has none (and for double).
 template <class T>
 const SkinnyKernels<T>* avx512_skinny_kernels();
 

@@ -1,17 +1,17 @@
-// AVX-512 skinny products of the [O, K] layout for float, bfloat16 and float16 (see skinny_gemm.h
-// and skinny_avx512_dot.h); the [K, O] layout keeps the AVX2 kernel.
+// AVX-512 skinny products for float, bfloat16 and float16 (see skinny_gemm.h).
 //
-// With 32 vector registers of 16 floats a block of 4 matrix rows by 4 token rows keeps 16 sums, so
-// each matrix vector loaded serves four token rows and each token vector four matrix rows: the
-// products keep up with PyTorch's AVX-512 GEMM to 32 token rows per expert, where the AVX2
-// blocks (2 x 2 and 2 x 4 on 16 registers of 8) are bound by their loads from about 8.  The [K, O]
-// layout's sums wait in memory between matrix rows, so wider vectors gave it nothing measurable
-// (Intel Xeon with AVX-512, 2 threads, 4 experts [1024, 2048] after a 600 MB read: 1 / 2 / 4 / 16
-// token rows 1.01-1.36 / 1.04-1.37 / 1.20-1.40 / 3.26-3.76 ms against AVX2's 1.13-1.38 / 1.15-1.33
-// / 1.24-1.66 / 3.15-3.31).
-//
-// bfloat16 products use the CPU's bfloat16 dot products where it has them
+// [O, K] (skinny_avx512_dot.h): with 32 vector registers of 16 floats a block of 4 matrix rows by
+// 4 token rows keeps 16 sums, so each matrix vector loaded serves four token rows and each token
+// vector four matrix rows: the products keep up with PyTorch's AVX-512 GEMM to 32 token rows per
+// expert, where the AVX2 blocks (2 x 2 and 2 x 4 on 16 registers of 8) are bound by their loads
+// from about 8.  bfloat16 uses the CPU's bfloat16 dot products where it has them
 // (skinny_gemm_avx512_bf16.cpp); elsewhere 16-bit values widen to float in registers.
+//
+// [K, O] (below): strips of 32 outputs whose sums stay in registers for blocks of 6 token rows,
+// over chunks of 32 matrix rows.  The AVX2 kernel keeps its sums in memory between matrix rows,
+// which bounds it by loads and stores from a few token rows on; walking the matrix in strips
+// across whole rows (rather than one strip down all of k: a new page at every matrix row, 1.2-1.6x
+// slower than the AVX2 kernel at 8-32 token rows) reads each page of a chunk whole.
 //
 // GCC 12's AVX-512 intrinsics start from undefined vectors, which its own (maybe-)uninitialized
 // warnings flag at every inlined use; this file holds nothing else those warnings could catch.
@@ -20,7 +20,9 @@
 
 #include "skinny_gemm.h"
 
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "skinny_prefetch.h"
 
@@ -82,6 +84,130 @@ struct WideningDot {
   TUTEL_AVX512 static __m512 madd(__m512 acc, Operand w, Operand x) { return _mm512_fmadd_ps(w, x, acc); }
 };
 
+// Sixteen floats stored as T (16-bit values rounded as scalar.h rounds them).
+template <class T>
+TUTEL_AVX512 void store16(T* p, __m512 v) {
+  if constexpr (std::is_same<T, float>::value) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (int i = 0; i < 16; i += 4) skinny::Four<T>::store(p + i, _mm_load_ps(lanes + i));
+  }
+}
+
+// Where a strip block of the [K, O] walk reads and leaves its sums.
+struct StripSums {
+  const float* x;  // the token rows as floats
+  int64_t x_stride;
+  float* carry;  // [rows, width] sums between chunks of k
+  int64_t width;
+  int64_t o_begin;  // the tile's first output: carry column 0
+};
+
+// Outputs [o, o + 16 * NV) of token rows [r, r + NR), the part of their sums over matrix rows
+// [k_begin, k_end): the sums stay in registers (16 * NV * NR of them, 12 of the 32 registers for 2 x
+// 6) while the strip's part of each matrix row streams past, starting from the bias (or zero) at
+// k = 0 and from `sums.carry` after; the last chunk writes the outputs, the others leave the sums in
+// `sums.carry`.  With `prefetch` the block asks for the same matrix rows two strips further on.
+template <class T, int NV, int NR>
+TUTEL_AVX512 void strip_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, int64_t k_begin,
+                              int64_t k_end, const StripSums& sums, bool prefetch) {
+  __m512 acc[NR][NV];
+  float* carry = sums.carry + r * sums.width + (o - sums.o_begin);
+  for (int v = 0; v < NV; ++v) {
+    const __m512 start = p.bias ? Wide<T>::load(p.bias + o + 16 * v) : _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j)
+      acc[j][v] = k_begin == 0 ? start : _mm512_loadu_ps(carry + j * sums.width + 16 * v);
+  }
+  const float* x = sums.x + r * sums.x_stride;
+  const T* w = p.w + k_begin * p.w_stride + o;
+  constexpr int64_t kPrefetchAhead = 2 * 16 * NV;
+  for (int64_t k = k_begin; k < k_end; ++k, w += p.w_stride) {
+    if (prefetch)
+      for (int64_t b = 0; b < 16 * NV * int64_t(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead) + b, _MM_HINT_T0);
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = Wide<T>::load(w + 16 * v);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 xb = _mm512_set1_ps(x[j * sums.x_stride + k]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_fmadd_ps(wv[v], xb, acc[j][v]);
+    }
+  }
+  if (k_end < inner) {
+    for (int j = 0; j < NR; ++j)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(carry + j * sums.width + 16 * v, acc[j][v]);
+  } else {
+    for (int j = 0; j < NR; ++j)
+      for (int v = 0; v < NV; ++v) store16(p.y + (r + j) * p.y_stride + o + 16 * v, acc[j][v]);
+  }
+}
+
+// strip_block for NR = rows (1 <= rows <= kRows) chosen at run time.
+template <class T, int NV, int kRows>
+TUTEL_AVX512 void strip_block_of(int64_t rows, const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r,
+                                 int64_t k_begin, int64_t k_end, const StripSums& sums, bool prefetch) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) {
+      strip_block_of<T, NV, kRows - 1>(rows, p, inner, o, r, k_begin, k_end, sums, prefetch);
+      return;
+    }
+  }
+  strip_block<T, NV, kRows>(p, inner, o, r, k_begin, k_end, sums, prefetch);
+}
+
+// Token rows per strip block; matrix rows per chunk of k (a 32-output strip's part of them, 4 KiB in
+// float32, stays in L1 while every block of token rows reads it).
+constexpr int kStripRows = 6;
+constexpr int64_t kStripChunk = 32;
+
+// Up to this many token rows the stream kernel (AVX2: one pass over whole matrix rows, bound by
+// the matrix's bandwidth) is kept.  Measured on an Intel Xeon with AVX-512, 2 threads, 8 experts
+// [1024, 2048] after a 600 MB read, ms strips / stream in two or three runs: float32 at 1 / 4 / 6 /
+// 8 / 16 token rows 2.41-2.70 / 2.60-2.91 / 2.79-2.92 / 3.45-3.61 / 5.25-5.34 against 2.40-3.11 /
+// 2.83-3.31 / 4.59-6.19 / 5.30-5.59 / 9.09-11.1 (PyTorch's GEMM from 8 rows 5.82-6.20 / 6.88-7.09);
+// bfloat16 at 1 / 4 / 8 rows 1.55-1.80 / 1.80-2.07 / 3.35-3.42 against 1.48-1.53 / 2.55-2.68 /
+// 5.13-5.43.
+constexpr int64_t kStreamRows = 2;
+
+// [K, O] from 3 token rows: for each chunk of k, strips of 32 outputs (16 at the end) across the
+// tile, each read by every block of 6 token rows with the sums in registers.  Walking a chunk's
+// rows strip by strip touches each page of them whole, one strip after another.
+template <class T>
+TUTEL_AVX512 void inner_by_outputs(const SkinnyProduct<T>& p, int64_t inner, int64_t o_begin, int64_t o_end) {
+  const SkinnyKernels<T>* avx2 = avx2_skinny_kernels<T>();
+  const int64_t width = (o_end - o_begin) / 16 * 16;
+  if (p.rows <= kStreamRows || width == 0 || inner == 0) return avx2->inner_by_outputs(p, inner, o_begin, o_end);
+  thread_local std::vector<float> widened, carry;  // reused by every call of this thread
+  StripSums sums{nullptr, p.x_stride, nullptr, width, o_begin};
+  if constexpr (std::is_same<T, float>::value) {
+    sums.x = p.x;
+  } else {
+    widened.resize(p.rows * inner);
+    for (int64_t r = 0; r < p.rows; ++r)
+      for (int64_t k = 0; k < inner; ++k) widened[r * inner + k] = Scalar<T>::load(p.x[r * p.x_stride + k]);
+    sums.x = widened.data();
+    sums.x_stride = inner;
+  }
+  if (inner > kStripChunk) {
+    carry.resize(p.rows * width);
+    sums.carry = carry.data();
+  }
+  for (int64_t k_begin = 0; k_begin < inner; k_begin += kStripChunk) {
+    const int64_t k_end = std::min(inner, k_begin + kStripChunk);
+    int64_t o = o_begin;
+    for (; o + 32 <= o_begin + width; o += 32)
+      for (int64_t r = 0; r < p.rows; r += kStripRows)
+        strip_block_of<T, 2, kStripRows>(std::min<int64_t>(kStripRows, p.rows - r), p, inner, o, r, k_begin, k_end, sums,
+                                         r == 0);
+    for (; o < o_begin + width; o += 16)
+      for (int64_t r = 0; r < p.rows; r += kStripRows)
+        strip_block_of<T, 1, kStripRows>(std::min<int64_t>(kStripRows, p.rows - r), p, inner, o, r, k_begin, k_end, sums,
+                                         r == 0);
+  }
+  if (o_begin + width < o_end) avx2->inner_by_outputs(p, inner, o_begin + width, o_end);  // fewer than 16 left
+}
+
 }  // namespace
 #endif
 
@@ -91,8 +217,7 @@ const SkinnyKernels<T>* avx512_widening_skinny_kernels() {
   if constexpr (!std::is_same<T, double>::value) {
     const SkinnyKernels<T>* avx2 = avx2_skinny_kernels<T>();  // every CPU with AVX-512 has AVX2
     if (!skinny::cpu_has_avx512() || avx2 == nullptr) return nullptr;
-    static const SkinnyKernels<T> kernels{&skinny::outputs_by_inner<T, WideningDot<T>>, avx2->inner_by_outputs, 512,
-                                          avx2->inner_by_outputs_bits};
+    static const SkinnyKernels<T> kernels{&skinny::outputs_by_inner<T, WideningDot<T>>, &inner_by_outputs<T>, 512, 512};
     return &kernels;
   }
 #endif

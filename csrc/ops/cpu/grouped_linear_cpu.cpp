@@ -71,16 +71,20 @@ constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 constexpr int64_t kSkinnyMaxRowsBesideWideFma = 8;
 constexpr int64_t kSkinnyMaxRowsBesideBf16Dot = 4;
 
-// The AVX-512 skinny products of the [O, K] layout (core/skinny_avx512_dot.h) run on the same
-// units as such a GEMM and keep their lead further: float32 to 32 rows whatever the row length,
-// bfloat16 to 6.  Measured on the same Xeon, 8 active experts, each product after a 600 MB read,
-// ms AVX-512 skinny / GEMM in two runs: float32 1024 x 1024 at 16 / 24 / 32 rows 2.50-2.75 /
-// 3.08-3.51 / 3.88-4.70 against 3.16-4.07 / 3.62-3.76 / 4.38-4.96, 1024 x 3584 at 8 / 16 / 24 / 32
-// rows 5.4-6.2 / 7.4-9.6 / 9.6-13.1 / 12.1-16.0 against 12.6-15.0 / 10.7-11.3 / 12.1-12.8 /
-// 14.8-15.4; bfloat16 1024 x 1024 at 6 / 8 / 12 rows 1.02-1.33 / 1.24-1.46 / 1.69-2.00 against
-// 1.93-2.18 / 1.65-1.90 / 1.76-1.93, 1024 x 3584 at 6 / 8 rows 4.13-4.14 / 4.24-4.88 against
-// 3.22-4.31 / 3.16-4.37.
+// The AVX-512 skinny products (core/skinny_gemm_avx512.cpp) run on the same units as such a GEMM
+// and keep their lead further: float32 to 32 rows in both layouts whatever the row length,
+// bfloat16 to 6 rows of [O, K] and 8 of [K, O].  Measured on the same Xeon, 8 active experts, each
+// product after a 600 MB read, ms AVX-512 skinny / GEMM in two runs: float32 [O, K] 1024 x 1024 at
+// 16 / 24 / 32 rows 2.50-2.75 / 3.08-3.51 / 3.88-4.70 against 3.16-4.07 / 3.62-3.76 / 4.38-4.96, 1024
+// x 3584 at 8 / 16 / 24 / 32 rows 5.4-6.2 / 7.4-9.6 / 9.6-13.1 / 12.1-16.0 against 12.6-15.0 /
+// 10.7-11.3 / 12.1-12.8 / 14.8-15.4; [K, O] 1024 x 1024 at 16 / 24 / 32 rows 2.90-2.94 / 3.60-3.80 /
+// 4.69-4.98 against 3.55-3.93 / 4.16-4.17 / 4.60-4.85, 3584 x 1024 8.1-8.6 / 8.3-10.4 / 11.4-13.8
+// against 11.9-12.2 / 13.2-14.2 / 16.1-16.6; bfloat16 [O, K] 1024 x 1024 at 6 / 8 / 12 rows
+// 1.02-1.33 / 1.24-1.46 / 1.69-2.00 against 1.93-2.18 / 1.65-1.90 / 1.76-1.93, 1024 x 3584 at 6 / 8
+// rows 4.13-4.14 / 4.24-4.88 against 3.22-4.31 / 3.16-4.37; [K, O] 1024 x 2048 at 8 / 12 / 16 rows
+// 3.35-3.42 / 4.05-4.87 / 5.29-6.30 against 3.82-4.25 / 4.01-4.30 / 4.23-4.63.
 constexpr int64_t kWideSkinnyMaxRowsBesideBf16Dot = 6;
+constexpr int64_t kWideSkinnyMaxRowsBesideBf16DotInnerByOutputs = 8;
 
 // The vector width of the skinny products this CPU runs for `dtype` in `layout`.
 int skinny_vector_bits(at::ScalarType dtype, core::WeightLayout layout) {
@@ -99,8 +103,11 @@ int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
   const at::ScalarType dtype = rows.scalar_type();
   const bool wide_skinny = skinny_vector_bits(dtype, layout) == 512;
   if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return wide_skinny ? kSkinnyMaxRows : kSkinnyMaxRowsBesideWideFma;
-  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot())
-    return wide_skinny ? kWideSkinnyMaxRowsBesideBf16Dot : kSkinnyMaxRowsBesideBf16Dot;
+  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()) {
+    if (!wide_skinny) return kSkinnyMaxRowsBesideBf16Dot;
+    return layout == core::WeightLayout::kOutputsByInner ? kWideSkinnyMaxRowsBesideBf16Dot
+                                                         : kWideSkinnyMaxRowsBesideBf16DotInnerByOutputs;
+  }
   if (layout != core::WeightLayout::kOutputsByInner || dtype != at::kFloat || wide_skinny) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
   return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
