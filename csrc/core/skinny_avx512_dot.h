@@ -17,8 +17,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "avx2_lanes.h"
 #include "skinny_gemm.h"
 #include "skinny_prefetch.h"
 
@@ -77,46 +80,31 @@ TUTEL_SKINNY_DOT_TARGET inline __m128 four_sums(__m512 a, __m512 b, __m512 c, __
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Four consecutive elements of T as four floats, and back (16-bit stores round to nearest even
-// and write NaN as scalar.h does, so the outputs are those of Scalar<T>::store).
+// Four 16-bit values of T as four floats (bfloat16: shifted into the high half; float16: converted).
 template <class T>
-struct Four;
+TUTEL_SKINNY_DOT_TARGET inline __m128 load_four(const T* p) {
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same<T, bfloat16>::value) return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
+  return _mm_cvtph_ps(bits);
+}
+
+// Four consecutive elements of T as four floats, and back.  Stores go through the AVX2 kernels'
+// eight-lane stores (avx2_lanes.h: 16-bit values rounded to nearest even, NaN written as scalar.h
+// writes it) into a scratch row, of which the first four elements are copied out.
+template <class T>
+struct Four {
+  TUTEL_SKINNY_DOT_TARGET static __m128 load(const T* p) { return load_four(p); }
+  TUTEL_SKINNY_DOT_TARGET static void store(T* p, __m128 v) {
+    alignas(32) T lanes[8];
+    avx2::Lanes<T>::store(lanes, _mm256_zextps128_ps256(v));
+    std::memcpy(p, lanes, 4 * sizeof(T));
+  }
+};
 
 template <>
 struct Four<float> {
   TUTEL_SKINNY_DOT_TARGET static __m128 load(const float* p) { return _mm_loadu_ps(p); }
   TUTEL_SKINNY_DOT_TARGET static void store(float* p, __m128 v) { _mm_storeu_ps(p, v); }
-};
-
-template <>
-struct Four<bfloat16> {
-  TUTEL_SKINNY_DOT_TARGET static __m128 load(const bfloat16* p) {
-    const __m128i wide = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm_castsi128_ps(_mm_slli_epi32(wide, 16));
-  }
-  TUTEL_SKINNY_DOT_TARGET static void store(bfloat16* p, __m128 v) {
-    const __m128i u = _mm_castps_si128(v);
-    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-    __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
-    rounded = _mm_mask_blend_epi32(_mm_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm_set1_epi32(0x7fc0));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(rounded, rounded));
-  }
-};
-
-template <>
-struct Four<float16> {
-  TUTEL_SKINNY_DOT_TARGET static __m128 load(const float16* p) {
-    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  }
-  TUTEL_SKINNY_DOT_TARGET static void store(float16* p, __m128 v) {
-    const __m128i converted = _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    const __m128i u = _mm_castps_si128(v);
-    const __m128i canonical = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x8000)),
-                                           _mm_set1_epi32(0x7e00));
-    const __m128i canonical16 = _mm_packus_epi32(canonical, canonical);
-    const __mmask8 is_nan = _mm_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_mask_blend_epi16(is_nan, converted, canonical16));
-  }
 };
 
 // The inner dimension goes in chunks of this many bytes of a row: four matrix rows' chunks and

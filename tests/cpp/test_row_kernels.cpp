@@ -9,8 +9,11 @@
 #include <vector>
 
 #include "core/row_kernels.h"
+#include "storage_values.h"
 
 using namespace tutel::core;
+
+using tutel_test::bits_of;
 
 namespace {
 
@@ -56,13 +59,6 @@ RowSet<T> random_rows(int n, int64_t M, std::mt19937& rng, bool specials, float 
   }
   for (auto& row : set.rows) set.pointers.push_back(row.data());
   return set;
-}
-
-template <class T>
-uint64_t bits_of(T value) {
-  uint64_t bits = 0;
-  std::memcpy(&bits, &value, sizeof(T));
-  return bits;
 }
 
 // Equal bits, except that any two NaNs match: which NaN an operation returns

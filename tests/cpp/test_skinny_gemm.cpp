@@ -12,6 +12,7 @@
 #include "storage_values.h"
 
 using namespace tutel::core;
+using tutel_test::bits_of;
 using tutel_test::unit_rounding;
 using tutel_test::value;
 
@@ -128,19 +129,10 @@ TYPED_TEST(SkinnyGemmTest, Avx512WideningKernelsMatchDoubleSums) {
   check_kernels(*kernels);
 }
 
-// Bit patterns, to compare results that must be identical (NaN included).
-template <class T>
-uint64_t bits_of(T v) {
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(T));
-  return bits;
-}
-
 // Products whose float sums are exact (x selects one matrix element, the bias adds a value within
 // a few binades of it) but fall between two values of T, two thirds of them ties, and a NaN bias
-// with a payload: every
-// kernel must store what Scalar<T>::store makes of the sum, so 16-bit results round to nearest even
-// and NaN is written as scalar.h writes it.
+// with a payload: every kernel must store what Scalar<T>::store makes of the sum, so 16-bit
+// results round to nearest even and NaN is written as scalar.h writes it.
 template <class T>
 void check_rounding(const SkinnyKernels<T>& kernels) {
   std::mt19937 rng(11);
