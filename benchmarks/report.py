@@ -402,9 +402,10 @@ of fixed costs with the caches cold after the weights streamed through them: tra
 dispatch to the experts implementation (about 85 us), the shortcut's checks and the operator's work
 around the products (docs/design.md, "Cold fixed costs at one token"; the whole call at smoke sizes
 0.45-0.58 ms before those changes, 0.20-0.26 after).  Those fixed costs are what keeps the scaled
-layers' T = 1 above 1.25x their bandwidth limit (DeepSeek-like: 25 MB of weights, 0.86 ms at the read
-probe's rate in float32); at the published layer shapes (the full-size table below) the same call
-took 0.79-1.16x of it (below 1 where the prefetched streams read faster than the probe's plain sum). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
+layers' T = 1 above 1.25x their bandwidth limit (DeepSeek-like: 25 MB of weights, 0.86-0.95 ms at
+the read probe's rate in float32); at the published layer shapes (the full-size table below) the
+same call took 0.8-1.25x of it (below 1 where the prefetched streams read faster than the probe's
+plain sum). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
 two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
 inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
 0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
@@ -434,7 +435,7 @@ uses the bf16 GEMM rate, as defined; where that rate is far below float32's (no 
 GROUPED_GEMM_INTRO = """`benchmarks/grouped_gemm.py` times the experts' grouped product alone: one gate+up projection of
 64 experts of [1024, 1024] (F.linear layout), r rows per expert (8 active experts below 8 rows, as
 when decoding one token with top-8, all 64 from 8 rows on).  *tutel*: `torch.ops.tutel.grouped_linear`
-(skinny products up to 32 rows, PyTorch's GEMM per expert above); *grouped_mm*:
+(skinny products up to 32 rows, up to 6 in bfloat16 beside AMX; PyTorch's GEMM per expert above); *grouped_mm*:
 `torch.nn.functional.grouped_mm`; *per_expert_linear*: one `F.linear` per expert, as transformers'
 eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large `F.linear` in the dtype
 and the active weights' bytes at the read bandwidth, both measured as interleaved candidates."""
