@@ -84,16 +84,12 @@ struct WideningDot {
   TUTEL_AVX512 static __m512 madd(__m512 acc, Operand w, Operand x) { return _mm512_fmadd_ps(w, x, acc); }
 };
 
-// Sixteen floats stored as T (16-bit values rounded as scalar.h rounds them).
+// Sixteen floats stored as T, eight at a time through the AVX2 kernels' stores (avx2_lanes.h:
+// 16-bit values rounded as scalar.h rounds them).
 template <class T>
 TUTEL_AVX512 void store16(T* p, __m512 v) {
-  if constexpr (std::is_same<T, float>::value) {
-    _mm512_storeu_ps(p, v);
-  } else {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, v);
-    for (int i = 0; i < 16; i += 4) skinny::Four<T>::store(p + i, _mm_load_ps(lanes + i));
-  }
+  avx2::Lanes<T>::store(p, _mm512_extractf32x8_ps(v, 0));
+  avx2::Lanes<T>::store(p + 8, _mm512_extractf32x8_ps(v, 1));
 }
 
 // Where a strip block of the [K, O] walk reads and leaves its sums.

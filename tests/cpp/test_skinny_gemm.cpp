@@ -97,36 +97,30 @@ TYPED_TEST_SUITE(SkinnyGemmTest, StorageTypes);
 
 TYPED_TEST(SkinnyGemmTest, PortableKernelsMatchDoubleSums) { check_kernels(portable_skinny_kernels<TypeParam>()); }
 
-TYPED_TEST(SkinnyGemmTest, Avx2KernelsMatchDoubleSums) {
-  const SkinnyKernels<TypeParam>* kernels = avx2_skinny_kernels<TypeParam>();
-  if (std::is_same<TypeParam, double>::value) {
+// A vectorised kernel set against double sums: none for double (it runs the portable kernels),
+// skipped where this CPU lacks `what`.
+template <class T>
+void check_vectorised(const SkinnyKernels<T>* kernels, const char* what) {
+  if (std::is_same<T, double>::value) {
     EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
     return;
   }
-  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no " << what;
   check_kernels(*kernels);
 }
 
+TYPED_TEST(SkinnyGemmTest, Avx2KernelsMatchDoubleSums) {
+  check_vectorised(avx2_skinny_kernels<TypeParam>(), "AVX2 + FMA");
+}
+
 TYPED_TEST(SkinnyGemmTest, Avx512KernelsMatchDoubleSums) {
-  const SkinnyKernels<TypeParam>* kernels = avx512_skinny_kernels<TypeParam>();
-  if (std::is_same<TypeParam, double>::value) {
-    EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
-    return;
-  }
-  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX-512";
-  check_kernels(*kernels);
+  check_vectorised(avx512_skinny_kernels<TypeParam>(), "AVX-512");
 }
 
 // What a CPU with AVX-512 but without AVX512-BF16 runs for bfloat16 (the same kernels as above
 // for the other types).
 TYPED_TEST(SkinnyGemmTest, Avx512WideningKernelsMatchDoubleSums) {
-  const SkinnyKernels<TypeParam>* kernels = avx512_widening_skinny_kernels<TypeParam>();
-  if (std::is_same<TypeParam, double>::value) {
-    EXPECT_EQ(kernels, nullptr) << "double runs the portable kernels";
-    return;
-  }
-  if (kernels == nullptr) GTEST_SKIP() << "this CPU has no AVX-512";
-  check_kernels(*kernels);
+  check_vectorised(avx512_widening_skinny_kernels<TypeParam>(), "AVX-512");
 }
 
 // Products whose float sums are exact (x selects one matrix element, the bias adds a value within
