@@ -1,0 +1,35 @@
+// bfloat16 expert products on AMX tiles (Intel Xeon from Sapphire Rapids on), for groups of token
+// rows past what the skinny products (skinny_gemm.h) serve.
+//
+// PyTorch's bfloat16 GEMM reaches AMX through oneDNN, which repacks the whole matrix into tile
+// layout on every call: for an expert multiplying 8-256 token rows the repacking costs about as
+// much as the product.  AMX multiplies C[m][n] += sum_k A[m][k] B[k][n] with A taken as plain rows
+// (16 rows of 32 values) and only B with its pairs of rows interleaved.  With [O, K] matrices
+// (F.linear's layout) the matrix therefore serves as A straight from memory: these products
+// compute y^T = W x^T, repack only the token rows (x, small beside W), and transpose the 16 x 16
+// blocks of sums on their way out.
+//
+// Sums run in float (AMX's bfloat16 products are exact; each sums its pairs in float, and
+// subnormal inputs and results count as zero), rounded to bfloat16 once at the end as
+// Scalar<bfloat16>::store does.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "skinny_gemm.h"
+
+namespace tutel {
+namespace core {
+
+// Whether this build and CPU run tile products: AMX-BF16 and AVX-512 present, and the operating
+// system grants this process the tile registers (Linux is asked once).
+bool tile_products_available();
+
+// Runs every product (all [O, K] matrices with `inner` and `outputs` in common; the
+// kOutputsByInner case of skinny_products, any number of rows), splitting their outputs over the
+// threads.  Only where tile_products_available().
+void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs);
+
+}  // namespace core
+}  // namespace tutel

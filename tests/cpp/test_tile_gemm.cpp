@@ -1,0 +1,164 @@
+// AMX tile products (core/tile_gemm.h) against double sums: several products per call, odd row,
+// inner and output counts (partial tiles and steps of every kind), strides wider than the rows,
+// bias, no inner values; a token row's results alone and among others; NaN stores.  Skipped where
+// the CPU (or the operating system) gives no AMX tiles.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/tile_gemm.h"
+#include "storage_values.h"
+
+using namespace tutel::core;
+using tutel_test::bits_of;
+using tutel_test::unit_rounding;
+using tutel_test::value;
+
+namespace {
+
+// One product's operands, with row strides wider than the rows so that a kernel assuming packed
+// rows reads the wrong values, and a sentinel in every element of y it must not write.
+struct Operands {
+  int64_t rows, inner, outputs, x_stride, w_stride, y_stride;
+  std::vector<bfloat16> x, w, bias, y;
+
+  Operands(int64_t rows_, int64_t inner_, int64_t outputs_, std::mt19937& rng)
+      : rows(rows_), inner(inner_), outputs(outputs_), x_stride(inner_ + 3), w_stride(inner_ + 2),
+        y_stride(outputs_ + 5), x(rows_ * x_stride), w(outputs_ * w_stride), bias(outputs_), y(rows_ * y_stride) {
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (auto& v : x) v = Scalar<bfloat16>::store(dist(rng));
+    for (auto& v : w) v = Scalar<bfloat16>::store(dist(rng));
+    for (auto& v : bias) v = Scalar<bfloat16>::store(dist(rng));
+    for (auto& v : y) v = sentinel();
+  }
+  static bfloat16 sentinel() { return Scalar<bfloat16>::store(12345.f); }
+  SkinnyProduct<bfloat16> product(bool with_bias) {
+    return {x.data(), x_stride, w.data(), w_stride, with_bias ? bias.data() : nullptr, y.data(), y_stride, rows};
+  }
+};
+
+void expect_double_sums(const Operands& a, bool with_bias) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t o = 0; o < a.y_stride; ++o) {
+      const double got = value(a.y[r * a.y_stride + o]);
+      if (o >= a.outputs) {
+        EXPECT_EQ(got, value(Operands::sentinel())) << "wrote past the outputs";
+        continue;
+      }
+      double sum = with_bias ? value(a.bias[o]) : 0.0, scale = std::fabs(sum);
+      for (int64_t k = 0; k < a.inner; ++k) {
+        const double term = value(a.x[r * a.x_stride + k]) * value(a.w[o * a.w_stride + k]);
+        sum += term;
+        scale += std::fabs(term);
+      }
+      const double bound = unit_rounding(bfloat16()) * std::fabs(sum) + (a.inner + 2) * std::ldexp(1.0, -24) * scale;
+      ASSERT_LE(std::fabs(got - sum), bound) << "rows " << a.rows << " inner " << a.inner << " outputs " << a.outputs
+                                             << " at (" << r << ", " << o << ")";
+    }
+  }
+}
+
+bool skip_without_tiles() { return !tile_products_available(); }
+
+}  // namespace
+
+TEST(TileGemm, ProductsMatchDoubleSums) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(23);
+  // inner: one value, a step's tail, exact steps, several steps with a tail, none
+  // outputs: partial A tiles, exact tiles, a tile pair and a lone tile, several 64-output items
+  for (int64_t inner : {1, 31, 32, 33, 100, 1029, 0}) {
+    for (int64_t outputs : {1, 15, 16, 17, 48, 65, 130}) {
+      for (bool with_bias : {false, true}) {
+        // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks
+        std::vector<Operands> operands;
+        for (int64_t rows : {1, 7, 16, 17, 33, 64, 70}) operands.emplace_back(rows, inner, outputs, rng);
+        std::vector<SkinnyProduct<bfloat16>> products;
+        for (Operands& a : operands) products.push_back(a.product(with_bias));
+        tile_products(products, inner, outputs);
+        for (const Operands& a : operands) expect_double_sums(a, with_bias);
+      }
+    }
+  }
+}
+
+// Values that end where an inaccessible page begins: a read past them faults.
+class GuardedValues {
+ public:
+  explicit GuardedValues(const std::vector<bfloat16>& values) {
+    const size_t page = size_t(sysconf(_SC_PAGESIZE)), bytes = values.size() * sizeof(bfloat16);
+    size_ = (bytes + page - 1) / page * page + page;
+    base_ = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mprotect(static_cast<char*>(base_) + size_ - page, page, PROT_NONE);
+    data_ = reinterpret_cast<bfloat16*>(static_cast<char*>(base_) + size_ - page - bytes);
+    std::memcpy(data_, values.data(), bytes);
+  }
+  ~GuardedValues() { munmap(base_, size_); }
+  const bfloat16* data() const { return data_; }
+
+ private:
+  void* base_;
+  size_t size_;
+  bfloat16* data_;
+};
+
+// The partial tiles (the last matrix rows, the last step's values, the last token rows) read
+// nothing past the operands: matrix and token rows placed right before an inaccessible page.
+TEST(TileGemm, ReadsNothingPastTheOperands) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(31);
+  for (int64_t outputs : {17, 40}) {
+    Operands a(19, 45, outputs, rng);
+    a.w.resize((outputs - 1) * a.w_stride + a.inner);  // the last row ends at its last value
+    a.x.resize((a.rows - 1) * a.x_stride + a.inner);
+    const GuardedValues w(a.w), x(a.x);
+    SkinnyProduct<bfloat16> p = a.product(true);
+    p.w = w.data();
+    p.x = x.data();
+    std::vector<SkinnyProduct<bfloat16>> products{p};
+    tile_products(products, a.inner, a.outputs);
+    expect_double_sums(a, true);
+  }
+}
+
+// Each token row's sums run the same steps in the same order whichever block of 16 it sits in, so
+// a row computed alone gives the bits it gives among 40 others.
+TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(5);
+  Operands many(41, 300, 70, rng);
+  std::vector<SkinnyProduct<bfloat16>> products{many.product(true)};
+  tile_products(products, many.inner, many.outputs);
+  for (int64_t r : {0, 15, 16, 33, 40}) {
+    Operands alone(1, many.inner, many.outputs, rng);
+    alone.w = many.w;
+    alone.bias = many.bias;
+    for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
+    std::vector<SkinnyProduct<bfloat16>> single{alone.product(true)};
+    tile_products(single, alone.inner, alone.outputs);
+    for (int64_t o = 0; o < many.outputs; ++o)
+      ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o])) << "row " << r << " output " << o;
+  }
+}
+
+// A NaN in a token row makes every output of that row NaN, stored as Scalar<bfloat16>::store
+// stores it, in whole 16-output vectors and in the scalar tail alike.
+TEST(TileGemm, NanStoresMatchScalarStores) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(9);
+  Operands a(3, 40, 21, rng);
+  a.x[1 * a.x_stride + 7] = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
+  std::vector<SkinnyProduct<bfloat16>> products{a.product(false)};
+  tile_products(products, a.inner, a.outputs);
+  const bfloat16 nan = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t o = 0; o < a.outputs; ++o) {
+    EXPECT_EQ(bits_of(a.y[1 * a.y_stride + o]), bits_of(nan)) << "output " << o;
+    EXPECT_FALSE(std::isnan(value(a.y[o]))) << "output " << o << " of a row without NaN";
+  }
+}
