@@ -4,10 +4,13 @@
 // PyTorch's bfloat16 GEMM reaches AMX through oneDNN, which repacks the whole matrix into tile
 // layout on every call: for an expert multiplying 8-256 token rows the repacking costs about as
 // much as the product.  AMX multiplies C[m][n] += sum_k A[m][k] B[k][n] with A taken as plain rows
-// (16 rows of 32 values) and only B with its pairs of rows interleaved.  With [O, K] matrices
-// (F.linear's layout) the matrix therefore serves as A straight from memory: these products
-// compute y^T = W x^T, repack only the token rows (x, small beside W), and transpose the 16 x 16
-// blocks of sums on their way out.
+// (16 rows of 32 values) and only B with its pairs of rows interleaved.
+//
+// - [O, K] matrices (F.linear's layout): the matrix serves as A straight from memory.  The
+//   products compute y^T = W x^T, repack only the token rows (x, small beside W) and transpose
+//   the 16 x 16 blocks of sums on their way out.
+// - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles), and each strip of
+//   32 matrix columns is interleaved into B tiles as it is read, once per product.
 //
 // Sums run in float (AMX's bfloat16 products are exact; each sums its pairs in float, and
 // subnormal inputs and results count as zero), rounded to bfloat16 once at the end as
@@ -26,10 +29,10 @@ namespace core {
 // system grants this process the tile registers (Linux is asked once).
 bool tile_products_available();
 
-// Runs every product (all [O, K] matrices with `inner` and `outputs` in common; the
-// kOutputsByInner case of skinny_products, any number of rows), splitting their outputs over the
-// threads.  Only where tile_products_available().
-void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs);
+// Runs every product (all with `inner`, `outputs` and `layout` in common, as skinny_products, any
+// number of rows), splitting their outputs over the threads.  Only where tile_products_available().
+void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs,
+                   WeightLayout layout);
 
 }  // namespace core
 }  // namespace tutel

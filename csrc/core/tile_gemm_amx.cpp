@@ -31,7 +31,8 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kInnerStep = 32;  // inner values per tile product
 constexpr int64_t kTileBytes = 64;
 
-// One tile of packed token rows: B's 16 rows of 16 (x[t][2p], x[t][2p + 1]) pairs.
+// One tile of packed values: 16 rows of 64 bytes (token rows or matrix columns, laid out as the
+// tile products read them).
 struct alignas(64) PackedTile {
   uint32_t pairs[kTileRows * kTileRows];
 };
@@ -45,7 +46,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-1: A (matrix rows), 2-3: B (token rows), 4-7: C (sums, C[i][j] in tile 4 + 2 i + j).
+// Tiles 0-1: A, 2-3: B, 4-7: C (sums, C[i][j] = A_i B_j in tile 4 + 2 i + j).
 // The configuration is per thread and other code (oneDNN) loads its own, so each parallel chunk
 // loads it and releases the tiles when done.
 TUTEL_AMX void load_tile_config() {
@@ -90,54 +91,93 @@ TUTEL_AMX inline __m512i load_step(const bfloat16* row, int64_t k, int64_t inner
   return _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << n) - 1u), row + k);
 }
 
-// Token rows [16 b, 16 b + 16) of `p` as B tiles, one per step of 32 inner values; rows past
-// p.rows and values past `inner` are zero.
-TUTEL_AMX void pack_rows(const SkinnyProduct<bfloat16>& p, int64_t block, int64_t inner, PackedTile* out) {
+// Token rows [16 b, 16 b + 16) of `p`, one tile per step of 32 inner values, rows past p.rows and
+// values past `inner` zero: for [O, K] matrices as B tiles (the 16 x 16 blocks of value pairs
+// transposed), for [K, O] as A tiles (the rows as they are).
+TUTEL_AMX void pack_rows(const SkinnyProduct<bfloat16>& p, int64_t block, int64_t inner, WeightLayout layout,
+                         PackedTile* out) {
   const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
   const int64_t first = block * kTileRows, count = std::min(kTileRows, p.rows - first);
   for (int64_t s = 0; s < steps; ++s) {
     __m512i r[16];
     for (int64_t i = 0; i < kTileRows; ++i)
       r[i] = i < count ? load_step(p.x + (first + i) * p.x_stride, s * kInnerStep, inner) : _mm512_setzero_si512();
-    transpose_16x16(r);
+    if (layout == WeightLayout::kOutputsByInner) transpose_16x16(r);
     for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[s].pairs + i * kTileRows, r[i]);
   }
 }
 
-// Where an A tile comes from: matrix rows [o, o + 16) at inner step s, straight from the matrix
-// when all 16 rows and 32 values exist, else copied with zeros into `spare`.
-TUTEL_AMX inline const bfloat16* a_tile(const SkinnyProduct<bfloat16>& p, int64_t o, int64_t s, int64_t inner,
-                                        int64_t outputs, bfloat16* spare, int64_t& stride_bytes) {
-  const int64_t k = s * kInnerStep;
-  const int64_t rows = std::min(kTileRows, outputs - o);
-  if (rows == kTileRows && k + kInnerStep <= inner) {
-    stride_bytes = p.w_stride * int64_t(sizeof(bfloat16));
-    return p.w + o * p.w_stride + k;
+// Steps [s_begin, s_end) of [K, O] matrix columns [o_begin, o_end) as B tiles: for step s the
+// tiles of columns o_begin + 16 j, .. sit at chunk[(s - s_begin) * tiles_per_step + j], each tile
+// row holding the pairs (W[k][c], W[k + 1][c]).  Columns past o_end and rows past `inner` are
+// zero.  Each pair of matrix rows is read across all the columns in turn, in 64-byte pieces.
+TUTEL_AMX void pack_matrix_chunk(const SkinnyProduct<bfloat16>& p, int64_t o_begin, int64_t o_end, int64_t inner,
+                                 int64_t s_begin, int64_t s_end, int64_t tiles_per_step, PackedTile* chunk) {
+  // Lane 2 c of the first tile's row: W[k][c], lane 2 c + 1: W[k + 1][c] (index 32 + c picks from
+  // the second operand); the second tile the same from column 16.
+  alignas(64) static const uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                  8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i first = _mm512_load_si512(kFirst);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    PackedTile* step = chunk + (s - s_begin) * tiles_per_step;
+    for (int64_t pair = 0; pair < kTileRows; ++pair) {
+      const int64_t k = s * kInnerStep + 2 * pair;
+      const bfloat16* even_row = p.w + k * p.w_stride;
+      const bfloat16* odd_row = even_row + p.w_stride;
+      for (int64_t o = o_begin, j = 0; o < o_end; o += 2 * kTileRows, j += 2) {
+        const __mmask32 valid = __mmask32((uint64_t(1) << std::min(2 * kTileRows, o_end - o)) - 1u);
+        const __m512i even = k < inner ? _mm512_maskz_loadu_epi16(valid, even_row + o) : _mm512_setzero_si512();
+        const __m512i odd = k + 1 < inner ? _mm512_maskz_loadu_epi16(valid, odd_row + o) : _mm512_setzero_si512();
+        _mm512_store_si512(step[j].pairs + pair * kTileRows, _mm512_permutex2var_epi16(even, first, odd));
+        if (j + 1 < tiles_per_step)
+          _mm512_store_si512(step[j + 1].pairs + pair * kTileRows, _mm512_permutex2var_epi16(even, second, odd));
+      }
+    }
   }
-  for (int64_t i = 0; i < kTileRows; ++i) {
-    const __m512i v = i < rows ? load_step(p.w + (o + i) * p.w_stride, k, inner) : _mm512_setzero_si512();
-    _mm512_store_si512(spare + i * kInnerStep, v);
-  }
-  stride_bytes = kTileBytes;
-  return spare;
 }
 
-// Sums of matrix rows [o, o + 16 NA) with token rows [16 b, 16 b + 16 NB) into `sums` ([32][32]
-// floats: matrix row, then token row).
-template <int NA, int NB>
-TUTEL_AMX void tile_block(const SkinnyProduct<bfloat16>& p, const PackedTile* packed, int64_t steps, int64_t o,
-                          int64_t b, int64_t inner, int64_t outputs, float* sums) {
-  alignas(64) bfloat16 spare[2][kTileRows * kInnerStep];
+// The operands of one block for [O, K] matrices: A = matrix rows [o + 16 i, +16) straight from
+// memory when all 16 rows and 32 values exist (else copied with zeros into `spare`), B = the
+// packed token rows of blocks b + j.
+struct MatrixRowsTimesPackedRows {
+  const SkinnyProduct<bfloat16>& p;
+  const PackedTile* rows;
+  int64_t steps, inner, outputs, o, b;
+  bfloat16* spare;  // 2 x 16 x 32, 64-byte aligned
+
+  TUTEL_AMX const void* a(int i, int64_t s, int64_t& stride_bytes) const {
+    const int64_t first = o + i * kTileRows, k = s * kInnerStep;
+    const int64_t count = std::min(kTileRows, outputs - first);
+    if (count == kTileRows && k + kInnerStep <= inner) {
+      stride_bytes = p.w_stride * int64_t(sizeof(bfloat16));
+      return p.w + first * p.w_stride + k;
+    }
+    bfloat16* copy = spare + i * kTileRows * kInnerStep;
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const __m512i v = r < count ? load_step(p.w + (first + r) * p.w_stride, k, inner) : _mm512_setzero_si512();
+      _mm512_store_si512(copy + r * kInnerStep, v);
+    }
+    stride_bytes = kTileBytes;
+    return copy;
+  }
+  const void* b_tile(int j, int64_t s) const { return rows[(b + j) * steps + s].pairs; }
+};
+
+// sums[16 i + r][16 j + c] (a [32][32] block of floats) = C[i][j][r][c] = sum over the steps of
+// A_i B_j, for i < NA, j < NB.
+template <int NA, int NB, class Operands>
+TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, float* sums) {
   _tile_zero(4);
   if (NB > 1) _tile_zero(5);
   if (NA > 1) _tile_zero(6);
   if (NA > 1 && NB > 1) _tile_zero(7);
   for (int64_t s = 0; s < steps; ++s) {
     int64_t stride0 = 0, stride1 = 0;
-    _tile_loadd(0, a_tile(p, o, s, inner, outputs, spare[0], stride0), stride0);
-    if (NA > 1) _tile_loadd(1, a_tile(p, o + kTileRows, s, inner, outputs, spare[1], stride1), stride1);
-    _tile_loadd(2, packed[b * steps + s].pairs, kTileBytes);
-    if (NB > 1) _tile_loadd(3, packed[(b + 1) * steps + s].pairs, kTileBytes);
+    _tile_loadd(0, operands.a(0, s, stride0), stride0);
+    if (NA > 1) _tile_loadd(1, operands.a(1, s, stride1), stride1);
+    _tile_loadd(2, operands.b_tile(0, s), kTileBytes);
+    if (NB > 1) _tile_loadd(3, operands.b_tile(1, s), kTileBytes);
     _tile_dpbf16ps(4, 0, 2);
     if (NB > 1) _tile_dpbf16ps(5, 0, 3);
     if (NA > 1) _tile_dpbf16ps(6, 1, 2);
@@ -150,75 +190,192 @@ TUTEL_AMX void tile_block(const SkinnyProduct<bfloat16>& p, const PackedTile* pa
   if (NA > 1 && NB > 1) _tile_stored(7, sums + kTileRows * 2 * kTileRows + kTileRows, kSumsStride);
 }
 
+template <class Operands>
+TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, float* sums) {
+  if (two_a && two_b) tile_block<2, 2>(operands, steps, sums);
+  else if (two_a) tile_block<2, 1>(operands, steps, sums);
+  else if (two_b) tile_block<1, 2>(operands, steps, sums);
+  else tile_block<1, 1>(operands, steps, sums);
+}
+
+// The bias of outputs [o, o + n), n <= 16, as floats (zero without a bias).
+TUTEL_AMX inline __m512 load_bias(const bfloat16* bias, int64_t o, int64_t n) {
+  if (!bias) return _mm512_setzero_ps();
+  const __m256i bits = _mm256_maskz_loadu_epi16(__mmask16((uint32_t(1) << n) - 1u), bias + o);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Stores the first n <= 16 lanes of `sums` to y, rounded as Scalar<bfloat16>::store rounds.
+TUTEL_AMX inline void store_outputs(bfloat16* y, __m512 sums, int64_t n) {
+  if (n == kTileRows) {
+    avx2::Lanes<bfloat16>::store(y, _mm512_castps512_ps256(sums));
+    avx2::Lanes<bfloat16>::store(y + 8, _mm512_extractf32x8_ps(sums, 1));
+    return;
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sums);
+  for (int64_t j = 0; j < n; ++j) y[j] = Scalar<bfloat16>::store(lanes[j]);
+}
+
 // Writes one 16 x 16 block of `sums` (matrix rows [o, o + 16) from row `a` of it, token rows
 // [t, t + 16) from column `c`) to y, transposed, plus bias: outputs [o, o_end), token rows below
 // p.rows.
-TUTEL_AMX void write_block(const SkinnyProduct<bfloat16>& p, const float* sums, int64_t a, int64_t c, int64_t o,
-                           int64_t o_end, int64_t t) {
+TUTEL_AMX void write_transposed_block(const SkinnyProduct<bfloat16>& p, const float* sums, int64_t a, int64_t c,
+                                      int64_t o, int64_t o_end, int64_t t) {
   const int64_t n = std::min(kTileRows, o_end - o), rows = std::min(kTileRows, p.rows - t);
   if (n <= 0 || rows <= 0) return;
   __m512i r[16];
-  for (int64_t i = 0; i < kTileRows; ++i)
-    r[i] = _mm512_load_si512(sums + (a + i) * 2 * kTileRows + c);
+  for (int64_t i = 0; i < kTileRows; ++i) r[i] = _mm512_load_si512(sums + (a + i) * 2 * kTileRows + c);
   transpose_16x16(r);
-  const __mmask16 valid = __mmask16((uint32_t(1) << n) - 1u);
-  __m512 bias = _mm512_setzero_ps();
-  if (p.bias) {
-    const __m256i bits = _mm256_maskz_loadu_epi16(valid, p.bias + o);
-    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), bias);
-    bfloat16* y = p.y + (t + i) * p.y_stride + o;
-    if (n == kTileRows) {
-      avx2::Lanes<bfloat16>::store(y, _mm512_castps512_ps256(v));
-      avx2::Lanes<bfloat16>::store(y + 8, _mm512_extractf32x8_ps(v, 1));
-    } else {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, v);
-      for (int64_t j = 0; j < n; ++j) y[j] = Scalar<bfloat16>::store(lanes[j]);
-    }
-  }
+  const __m512 bias = load_bias(p.bias, o, n);
+  for (int64_t i = 0; i < rows; ++i)
+    store_outputs(p.y + (t + i) * p.y_stride + o, _mm512_add_ps(_mm512_castsi512_ps(r[i]), bias), n);
 }
 
-// Outputs [o_begin, o_end) of product p, whose token rows are packed in `packed`.
-TUTEL_AMX void product_outputs(const SkinnyProduct<bfloat16>& p, const PackedTile* packed, int64_t inner,
-                               int64_t outputs, int64_t o_begin, int64_t o_end) {
+// [O, K] matrices: outputs [o_begin, o_end) of product p, whose token rows are packed as B tiles
+// in `rows`; `spare` holds 2 x 16 x 32 values of scratch.
+TUTEL_AMX void outputs_by_inner(const SkinnyProduct<bfloat16>& p, const PackedTile* rows, int64_t inner,
+                                int64_t outputs, int64_t o_begin, int64_t o_end, bfloat16* spare) {
   alignas(64) float sums[2 * kTileRows * 2 * kTileRows];
   const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   for (int64_t o = o_begin; o < o_end; o += 2 * kTileRows) {
-    const bool two_a = o_end - o > kTileRows;
+    const bool two_o = o_end - o > kTileRows;
     for (int64_t b = 0; b < blocks; b += 2) {
-      const bool two_b = blocks - b > 1;
-      if (two_a && two_b) tile_block<2, 2>(p, packed, steps, o, b, inner, outputs, sums);
-      else if (two_a) tile_block<2, 1>(p, packed, steps, o, b, inner, outputs, sums);
-      else if (two_b) tile_block<1, 2>(p, packed, steps, o, b, inner, outputs, sums);
-      else tile_block<1, 1>(p, packed, steps, o, b, inner, outputs, sums);
-      for (int64_t i = 0; i < (two_a ? 2 : 1); ++i)
-        for (int64_t j = 0; j < (two_b ? 2 : 1); ++j)
-          write_block(p, sums, i * kTileRows, j * kTileRows, o + i * kTileRows, o_end, (b + j) * kTileRows);
+      const bool two_t = blocks - b > 1;
+      run_block(two_o, two_t, MatrixRowsTimesPackedRows{p, rows, steps, inner, outputs, o, b, spare}, steps, sums);
+      for (int64_t i = 0; i < (two_o ? 2 : 1); ++i)
+        for (int64_t j = 0; j < (two_t ? 2 : 1); ++j)
+          write_transposed_block(p, sums, i * kTileRows, j * kTileRows, o + i * kTileRows, o_end, (b + j) * kTileRows);
     }
   }
 }
 
-// Work items: (product, tile of kOutputsPerItem outputs).
+// [K, O] matrices are read in chunks of matrix rows across all of a work item's columns (whole
+// rows where the items allow), so that memory streams; a chunk holds at most this many tiles.
+constexpr int64_t kChunkTiles = 256;
+
+// Steps per chunk for items `tiles` output tiles wide: 1..16.
+inline int64_t chunk_steps(int64_t tiles) { return std::max<int64_t>(1, std::min<int64_t>(16, kChunkTiles / tiles)); }
+
+// One chunk's products for token blocks b + i (i < NA) and output tiles t_o + j (j < NB) of a
+// [K, O] item: C = A (token rows, packed per step in `rows`) x B (the chunk's tiles), added to the
+// sums carried in `carried` (tile-shaped: [token block][output tile][16 x 16] floats), or starting
+// from zero on the first chunk.
+template <int NA, int NB>
+TUTEL_AMX void chunk_block(const PackedTile* rows, int64_t steps, int64_t b, const PackedTile* chunk,
+                           int64_t tiles, int64_t t_o, int64_t s_begin, int64_t s_count, float* carried, bool first) {
+  float* const c00 = carried + (b * tiles + t_o) * kTileRows * kTileRows;
+  float* const c01 = c00 + kTileRows * kTileRows;
+  float* const c10 = c00 + tiles * kTileRows * kTileRows;
+  float* const c11 = c10 + kTileRows * kTileRows;
+  if (first) {
+    _tile_zero(4);
+    if (NB > 1) _tile_zero(5);
+    if (NA > 1) _tile_zero(6);
+    if (NA > 1 && NB > 1) _tile_zero(7);
+  } else {
+    _tile_loadd(4, c00, kTileBytes);
+    if (NB > 1) _tile_loadd(5, c01, kTileBytes);
+    if (NA > 1) _tile_loadd(6, c10, kTileBytes);
+    if (NA > 1 && NB > 1) _tile_loadd(7, c11, kTileBytes);
+  }
+  for (int64_t s = 0; s < s_count; ++s) {
+    _tile_loadd(0, rows[b * steps + s_begin + s].pairs, kTileBytes);
+    if (NA > 1) _tile_loadd(1, rows[(b + 1) * steps + s_begin + s].pairs, kTileBytes);
+    _tile_loadd(2, chunk[s * tiles + t_o].pairs, kTileBytes);
+    if (NB > 1) _tile_loadd(3, chunk[s * tiles + t_o + 1].pairs, kTileBytes);
+    _tile_dpbf16ps(4, 0, 2);
+    if (NB > 1) _tile_dpbf16ps(5, 0, 3);
+    if (NA > 1) _tile_dpbf16ps(6, 1, 2);
+    if (NA > 1 && NB > 1) _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c00, kTileBytes);
+  if (NB > 1) _tile_stored(5, c01, kTileBytes);
+  if (NA > 1) _tile_stored(6, c10, kTileBytes);
+  if (NA > 1 && NB > 1) _tile_stored(7, c11, kTileBytes);
+}
+
+// [K, O] matrices: outputs [o_begin, o_end) of product p, whose token rows are packed as A tiles in
+// `rows`.  `chunk` holds chunk_steps x (o_end - o_begin) / 16 tiles and `carried` one tile per
+// (token block, output tile) of scratch.
+TUTEL_AMX void inner_by_outputs(const SkinnyProduct<bfloat16>& p, const PackedTile* rows, int64_t inner,
+                                int64_t o_begin, int64_t o_end, PackedTile* chunk, float* carried) {
+  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
+  const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (o_end - o_begin + kTileRows - 1) / kTileRows, per_chunk = chunk_steps(tiles);
+  // One pass even without inner values, so that the sums start from zero.
+  for (int64_t s_begin = 0; s_begin == 0 || s_begin < steps; s_begin += per_chunk) {
+    const int64_t s_end = std::min(steps, s_begin + per_chunk);
+    pack_matrix_chunk(p, o_begin, o_end, inner, s_begin, s_end, tiles, chunk);
+    for (int64_t t_o = 0; t_o < tiles; t_o += 2) {
+      const bool two_o = tiles - t_o > 1;
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const bool two_t = blocks - b > 1;
+        const bool first = s_begin == 0;
+        if (two_t && two_o) chunk_block<2, 2>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
+        else if (two_t) chunk_block<2, 1>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
+        else if (two_o) chunk_block<1, 2>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
+        else chunk_block<1, 1>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
+      }
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t t_o = 0; t_o < tiles; ++t_o) {
+      const int64_t o = o_begin + t_o * kTileRows, n = std::min(kTileRows, o_end - o);
+      const __m512 bias = load_bias(p.bias, o, n);
+      const float* sums = carried + (b * tiles + t_o) * kTileRows * kTileRows;
+      for (int64_t r = 0; r < std::min(kTileRows, p.rows - b * kTileRows); ++r)
+        store_outputs(p.y + (b * kTileRows + r) * p.y_stride + o,
+                      _mm512_add_ps(_mm512_load_ps(sums + r * kTileRows), bias), n);
+    }
+  }
+}
+
+// Work items: (product, range of outputs).  [O, K] matrices: 64 outputs (their rows are read whole
+// whatever the range).  [K, O] matrices: the widest multiple of 32 outputs that still gives every
+// thread an item, so that their rows are read whole once there are as many products as threads.
 constexpr int64_t kOutputsPerItem = 64;
+
+int64_t outputs_per_item(WeightLayout layout, size_t products, int64_t outputs) {
+  if (layout == WeightLayout::kOutputsByInner) return kOutputsPerItem;
+  const int64_t per_product = std::max<int64_t>(1, (max_parallelism() + int64_t(products) - 1) / int64_t(products));
+  const int64_t width = (outputs + per_product - 1) / per_product;
+  return std::max<int64_t>(2 * kTileRows, (width + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows));
+}
 
 struct TileWork {
   const std::vector<SkinnyProduct<bfloat16>>& products;
   const std::vector<int64_t>& first_tile;  // per product: index of its first packed tile
   const PackedTile* packed;
-  int64_t inner, outputs, items_per_product;
+  int64_t inner, outputs, width, items_per_product, max_rows;
+  WeightLayout layout;
 };
 
 TUTEL_AMX void run_items(const TileWork& work, int64_t begin, int64_t end) {
   load_tile_config();
+  const int64_t width = work.width, tiles = width / kTileRows;
+  alignas(64) bfloat16 spare[2 * kTileRows * kInnerStep];
+  // [K, O] scratch, kept per thread between calls (hundreds of KiB, faulted in once).
+  static thread_local std::vector<PackedTile> chunk, carried;
+  if (work.layout == WeightLayout::kInnerByOutputs) {
+    const size_t carried_tiles = size_t((work.max_rows + kTileRows - 1) / kTileRows * tiles);
+    // An item's chunk holds chunk_steps(t) x t <= max(kChunkTiles, t) tiles for its t <= tiles.
+    const size_t chunk_tiles = size_t(std::max(kChunkTiles, tiles));
+    if (chunk.size() < chunk_tiles) chunk.resize(chunk_tiles);
+    if (carried.size() < carried_tiles) carried.resize(carried_tiles);
+  }
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t index = item / work.items_per_product;
-    const int64_t o_begin = (item % work.items_per_product) * kOutputsPerItem;
-    product_outputs(work.products[index], work.packed + work.first_tile[index], work.inner, work.outputs, o_begin,
-                    std::min(work.outputs, o_begin + kOutputsPerItem));
+    const SkinnyProduct<bfloat16>& p = work.products[item / work.items_per_product];
+    const PackedTile* rows = work.packed + work.first_tile[item / work.items_per_product];
+    const int64_t o_begin = (item % work.items_per_product) * width;
+    const int64_t o_end = std::min(work.outputs, o_begin + width);
+    if (work.layout == WeightLayout::kOutputsByInner) {
+      outputs_by_inner(p, rows, work.inner, work.outputs, o_begin, o_end, spare);
+    } else {
+      inner_by_outputs(p, rows, work.inner, o_begin, o_end, chunk.data(),
+                       reinterpret_cast<float*>(carried.data()));
+    }
   }
   _tile_release();
 }
@@ -239,7 +396,8 @@ bool tile_products_available() {
   return available;
 }
 
-void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs) {
+void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs,
+                   WeightLayout layout) {
   if (products.empty() || outputs <= 0) return;
   const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
   // Every product's token rows packed once, up front, by every thread: (product, block of 16 rows).
@@ -256,11 +414,14 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [index, block] = blocks[i];
-      pack_rows(products[index], block, inner, tiles + first_tile[index] + block * steps);
+      pack_rows(products[index], block, inner, layout, tiles + first_tile[index] + block * steps);
     }
   });
-  const int64_t items_per_product = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
-  const TileWork work{products, first_tile, tiles, inner, outputs, items_per_product};
+  int64_t max_rows = 0;
+  for (const SkinnyProduct<bfloat16>& p : products) max_rows = std::max(max_rows, p.rows);
+  const int64_t width = outputs_per_item(layout, products.size(), outputs);
+  const int64_t items_per_product = (outputs + width - 1) / width;
+  const TileWork work{products, first_tile, tiles, inner, outputs, width, items_per_product, max_rows, layout};
   parallel_for(0, int64_t(products.size()) * items_per_product, 1,
                [&](int64_t begin, int64_t end) { run_items(work, begin, end); });
 }
@@ -275,7 +436,7 @@ namespace core {
 
 bool tile_products_available() { return false; }
 
-void tile_products(const std::vector<SkinnyProduct<bfloat16>>&, int64_t, int64_t) {}
+void tile_products(const std::vector<SkinnyProduct<bfloat16>>&, int64_t, int64_t, WeightLayout) {}
 
 }  // namespace core
 }  // namespace tutel

@@ -1,4 +1,4 @@
-// AMX tile products (core/tile_gemm.h) against double sums: several products per call, odd row,
+// AMX tile products (core/tile_gemm.h), both matrix layouts, against double sums: several products per call, odd row,
 // inner and output counts (partial tiles and steps of every kind), strides wider than the rows,
 // bias, no inner values; a token row's results alone and among others; NaN stores.  Skipped where
 // the CPU (or the operating system) gives no AMX tiles.
@@ -25,18 +25,24 @@ namespace {
 // One product's operands, with row strides wider than the rows so that a kernel assuming packed
 // rows reads the wrong values, and a sentinel in every element of y it must not write.
 struct Operands {
+  WeightLayout layout;
   int64_t rows, inner, outputs, x_stride, w_stride, y_stride;
   std::vector<bfloat16> x, w, bias, y;
 
-  Operands(int64_t rows_, int64_t inner_, int64_t outputs_, std::mt19937& rng)
-      : rows(rows_), inner(inner_), outputs(outputs_), x_stride(inner_ + 3), w_stride(inner_ + 2),
-        y_stride(outputs_ + 5), x(rows_ * x_stride), w(outputs_ * w_stride), bias(outputs_), y(rows_ * y_stride) {
+  Operands(WeightLayout layout_, int64_t rows_, int64_t inner_, int64_t outputs_, std::mt19937& rng)
+      : layout(layout_), rows(rows_), inner(inner_), outputs(outputs_), x_stride(inner_ + 3),
+        w_stride((by_inner() ? inner_ : outputs_) + 2), y_stride(outputs_ + 5), x(rows_ * x_stride),
+        w((by_inner() ? outputs_ : inner_) * w_stride), bias(outputs_), y(rows_ * y_stride) {
     std::normal_distribution<float> dist(0.f, 1.f);
     for (auto& v : x) v = Scalar<bfloat16>::store(dist(rng));
     for (auto& v : w) v = Scalar<bfloat16>::store(dist(rng));
     for (auto& v : bias) v = Scalar<bfloat16>::store(dist(rng));
     for (auto& v : y) v = sentinel();
   }
+  bool by_inner() const { return layout == WeightLayout::kOutputsByInner; }
+  double matrix(int64_t o, int64_t k) const { return value(by_inner() ? w[o * w_stride + k] : w[k * w_stride + o]); }
+  // The matrix cut to end at its last value, so that nothing past it belongs to it.
+  void trim_matrix() { w.resize(by_inner() ? (outputs - 1) * w_stride + inner : (inner - 1) * w_stride + outputs); }
   static bfloat16 sentinel() { return Scalar<bfloat16>::store(12345.f); }
   SkinnyProduct<bfloat16> product(bool with_bias) {
     return {x.data(), x_stride, w.data(), w_stride, with_bias ? bias.data() : nullptr, y.data(), y_stride, rows};
@@ -53,18 +59,20 @@ void expect_double_sums(const Operands& a, bool with_bias) {
       }
       double sum = with_bias ? value(a.bias[o]) : 0.0, scale = std::fabs(sum);
       for (int64_t k = 0; k < a.inner; ++k) {
-        const double term = value(a.x[r * a.x_stride + k]) * value(a.w[o * a.w_stride + k]);
+        const double term = value(a.x[r * a.x_stride + k]) * a.matrix(o, k);
         sum += term;
         scale += std::fabs(term);
       }
       const double bound = unit_rounding(bfloat16()) * std::fabs(sum) + (a.inner + 2) * std::ldexp(1.0, -24) * scale;
-      ASSERT_LE(std::fabs(got - sum), bound) << "rows " << a.rows << " inner " << a.inner << " outputs " << a.outputs
+      ASSERT_LE(std::fabs(got - sum), bound) << (a.by_inner() ? "[O, K]" : "[K, O]") << " rows " << a.rows << " inner " << a.inner << " outputs " << a.outputs
                                              << " at (" << r << ", " << o << ")";
     }
   }
 }
 
 bool skip_without_tiles() { return !tile_products_available(); }
+
+const WeightLayout kLayouts[] = {WeightLayout::kOutputsByInner, WeightLayout::kInnerByOutputs};
 
 }  // namespace
 
@@ -73,16 +81,18 @@ TEST(TileGemm, ProductsMatchDoubleSums) {
   std::mt19937 rng(23);
   // inner: one value, a step's tail, exact steps, several steps with a tail, none
   // outputs: partial A tiles, exact tiles, a tile pair and a lone tile, several 64-output items
-  for (int64_t inner : {1, 31, 32, 33, 100, 1029, 0}) {
-    for (int64_t outputs : {1, 15, 16, 17, 48, 65, 130}) {
-      for (bool with_bias : {false, true}) {
-        // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks
-        std::vector<Operands> operands;
-        for (int64_t rows : {1, 7, 16, 17, 33, 64, 70}) operands.emplace_back(rows, inner, outputs, rng);
-        std::vector<SkinnyProduct<bfloat16>> products;
-        for (Operands& a : operands) products.push_back(a.product(with_bias));
-        tile_products(products, inner, outputs);
-        for (const Operands& a : operands) expect_double_sums(a, with_bias);
+  for (WeightLayout layout : kLayouts) {
+    for (int64_t inner : {1, 2, 31, 32, 33, 100, 1029, 0}) {
+      for (int64_t outputs : {1, 15, 16, 17, 48, 65, 130, 300}) {
+        for (bool with_bias : {false, true}) {
+          // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks
+          std::vector<Operands> operands;
+          for (int64_t rows : {1, 7, 16, 17, 33, 64, 70}) operands.emplace_back(layout, rows, inner, outputs, rng);
+          std::vector<SkinnyProduct<bfloat16>> products;
+          for (Operands& a : operands) products.push_back(a.product(with_bias));
+          tile_products(products, inner, outputs, layout);
+          for (const Operands& a : operands) expect_double_sums(a, with_bias);
+        }
       }
     }
   }
@@ -113,17 +123,19 @@ class GuardedValues {
 TEST(TileGemm, ReadsNothingPastTheOperands) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(31);
-  for (int64_t outputs : {17, 40}) {
-    Operands a(19, 45, outputs, rng);
-    a.w.resize((outputs - 1) * a.w_stride + a.inner);  // the last row ends at its last value
-    a.x.resize((a.rows - 1) * a.x_stride + a.inner);
-    const GuardedValues w(a.w), x(a.x);
-    SkinnyProduct<bfloat16> p = a.product(true);
-    p.w = w.data();
-    p.x = x.data();
-    std::vector<SkinnyProduct<bfloat16>> products{p};
-    tile_products(products, a.inner, a.outputs);
-    expect_double_sums(a, true);
+  for (WeightLayout layout : kLayouts) {
+    for (int64_t outputs : {17, 40}) {
+      Operands a(layout, 19, 45, outputs, rng);
+      a.trim_matrix();
+      a.x.resize((a.rows - 1) * a.x_stride + a.inner);
+      const GuardedValues w(a.w), x(a.x);
+      SkinnyProduct<bfloat16> p = a.product(true);
+      p.w = w.data();
+      p.x = x.data();
+      std::vector<SkinnyProduct<bfloat16>> products{p};
+      tile_products(products, a.inner, a.outputs, layout);
+      expect_double_sums(a, true);
+    }
   }
 }
 
@@ -132,18 +144,20 @@ TEST(TileGemm, ReadsNothingPastTheOperands) {
 TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(5);
-  Operands many(41, 300, 70, rng);
-  std::vector<SkinnyProduct<bfloat16>> products{many.product(true)};
-  tile_products(products, many.inner, many.outputs);
-  for (int64_t r : {0, 15, 16, 33, 40}) {
-    Operands alone(1, many.inner, many.outputs, rng);
-    alone.w = many.w;
-    alone.bias = many.bias;
-    for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
-    std::vector<SkinnyProduct<bfloat16>> single{alone.product(true)};
-    tile_products(single, alone.inner, alone.outputs);
-    for (int64_t o = 0; o < many.outputs; ++o)
-      ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o])) << "row " << r << " output " << o;
+  for (WeightLayout layout : kLayouts) {
+    Operands many(layout, 41, 300, 70, rng);
+    std::vector<SkinnyProduct<bfloat16>> products{many.product(true)};
+    tile_products(products, many.inner, many.outputs, layout);
+    for (int64_t r : {0, 15, 16, 33, 40}) {
+      Operands alone(layout, 1, many.inner, many.outputs, rng);
+      alone.w = many.w;
+      alone.bias = many.bias;
+      for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
+      std::vector<SkinnyProduct<bfloat16>> single{alone.product(true)};
+      tile_products(single, alone.inner, alone.outputs, layout);
+      for (int64_t o = 0; o < many.outputs; ++o)
+        ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o])) << "row " << r << " output " << o;
+    }
   }
 }
 
@@ -152,13 +166,15 @@ TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
 TEST(TileGemm, NanStoresMatchScalarStores) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(9);
-  Operands a(3, 40, 21, rng);
-  a.x[1 * a.x_stride + 7] = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
-  std::vector<SkinnyProduct<bfloat16>> products{a.product(false)};
-  tile_products(products, a.inner, a.outputs);
   const bfloat16 nan = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
-  for (int64_t o = 0; o < a.outputs; ++o) {
-    EXPECT_EQ(bits_of(a.y[1 * a.y_stride + o]), bits_of(nan)) << "output " << o;
-    EXPECT_FALSE(std::isnan(value(a.y[o]))) << "output " << o << " of a row without NaN";
+  for (WeightLayout layout : kLayouts) {
+    Operands a(layout, 3, 40, 21, rng);
+    a.x[1 * a.x_stride + 7] = nan;
+    std::vector<SkinnyProduct<bfloat16>> products{a.product(false)};
+    tile_products(products, a.inner, a.outputs, layout);
+    for (int64_t o = 0; o < a.outputs; ++o) {
+      EXPECT_EQ(bits_of(a.y[1 * a.y_stride + o]), bits_of(nan)) << "output " << o;
+      EXPECT_FALSE(std::isnan(value(a.y[o]))) << "output " << o << " of a row without NaN";
+    }
   }
 }

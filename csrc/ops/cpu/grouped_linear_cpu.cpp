@@ -150,31 +150,33 @@ void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at:
   core::skinny_products(products, rows.size(1), out.size(1), layout);
 }
 
-// Up to this many rows the AMX tile products (core/tile_gemm.h) beat PyTorch's bfloat16 GEMM, which
-// repacks the matrix for every product.  Measured on an Intel Xeon with AMX, 2 threads, 1024 x 1024
-// matrices, 8 active experts, each product after a 600 MB read, ms tiles / GEMM in two runs: 8 / 16 /
-// 32 / 64 / 128 / 256 rows 1.00-1.29 / 1.12-1.54 / 1.67-1.93 / 2.41-2.46 / 4.07-5.13 / 6.91-7.40
-// against 2.25-2.47 / 2.43-2.48 / 2.98-3.02 / 3.26-3.86 / 4.81-5.43 / 7.58-8.74; at 512 / 2048 rows
-// 14.2-21.4 / 60.5-83.1 against 13.3-15.1 / 49.0-59.4 (there the tiles' loads of the matrix rows,
-// 16 rows a whole matrix row apart per tile, cost more than the GEMM's repacking).  At 1-6 rows
+// Up to these many rows the AMX tile products (core/tile_gemm.h) beat PyTorch's bfloat16 GEMM,
+// which repacks the matrix for every product.  Measured on an Intel Xeon with AMX, 2 threads,
+// 8 active experts, each product after a 600 MB read, the two candidates' calls interleaved, ms
+// tiles / GEMM.  [O, K] 1024 x 1024 at 8 / 16 / 64 / 256 rows: 1.25 / 1.19 / 2.30 / 7.05 against
+// 2.26 / 2.27 / 3.36 / 7.18 (in separate runs 512 and 2048 rows took 14.2-21.4 and 60.5-83.1 against
+// 13.3-15.1 and 49.0-59.4: there loading the tiles' matrix rows, a whole matrix row apart, costs more
+// than the GEMM's repacking).  [K, O] 2048 x 1024 at 9 / 16 / 32 / 64 / 96 / 128 / 192 rows: 4.21 /
+// 4.76 / 5.85 / 7.96 / 10.4 / 13.4 / 19.2 against 6.74 / 6.38 / 7.40 / 9.42 / 10.6 / 13.0 / 16.0 (the
+// sums of larger groups pass through memory between chunks of matrix rows).  At 1-6 rows of [O, K]
 // the skinny products and the tiles ran alike (1.12-1.40 against 0.98-1.32 ms).
 constexpr int64_t kTileMaxRows = 256;
+constexpr int64_t kTileMaxRowsInnerByOutputs = 64;
 
-// The bfloat16 [O, K] groups the skinny products leave, up to kTileMaxRows rows, on AMX tiles where
+// The bfloat16 groups the skinny products leave, up to the tile products' line, on AMX tiles where
 // the CPU has them; marks them in `done`.
 void tile_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias, at::Tensor& out,
                  const std::vector<int64_t>& offsets, core::WeightLayout layout, std::vector<bool>& done) {
-  if (rows.scalar_type() != at::kBFloat16 || layout != core::WeightLayout::kOutputsByInner ||
-      !core::tile_products_available())
-    return;
+  if (rows.scalar_type() != at::kBFloat16 || !core::tile_products_available()) return;
   std::vector<core::SkinnyProduct<core::bfloat16>> products;
+  const int64_t line = layout == core::WeightLayout::kOutputsByInner ? kTileMaxRows : kTileMaxRowsInnerByOutputs;
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
-    if (count < 1 || count > kTileMaxRows || done[g]) continue;
+    if (count < 1 || count > line || done[g]) continue;
     products.push_back(group_product<c10::BFloat16>(rows, matrices, bias, out, offsets, g));
     done[g] = true;
   }
-  core::tile_products(products, rows.size(1), out.size(1));
+  core::tile_products(products, rows.size(1), out.size(1), layout);
 }
 
 // Runs the groups the skinny products serve (see skinny_groups); returns which ones ran.
