@@ -390,7 +390,12 @@ on an Intel Xeon, 2.5 without, so it is not given there).  The skinny products h
 an AVX-512 build: with AVX-512 (register blocks of 4 x 4 for `[O, K]` weights, strips with the sums
 in registers for `[K, O]`, bf16 on AVX512-BF16's dot products) they keep up with PyTorch's AVX-512
 GEMM to 32 rows per expert in float32 and, beside AMX, to 6-8 in bfloat16; the AVX2 build hands
-over at 9 and 5 rows on such a CPU.  Measured on an Intel Xeon in A/B runs of this benchmark (two
+over at 9 and 5 rows on such a CPU.  Past that line, bfloat16 groups run tutel's AMX tile products
+where the CPU has AMX (to 256 rows of `[O, K]` weights, 64 of `[K, O]`): PyTorch's AMX GEMM
+repacks each expert's whole matrix for every product, while the tile products take `[O, K]`
+weights as they lie in memory and interleave `[K, O]` ones as they stream (docs/design.md, "Tile
+products"); bf16 T = 128 in A/B calls, tiles against none: Qwen3-like 19.7 against 32.8 ms,
+gpt-oss-like 24.1 against 30.4, DeepSeek-like 9.3 against 13.0.  Measured on an Intel Xeon in A/B runs of this benchmark (two
 each, tutel ms before -> after): float32 T = 128 Qwen3-like 39.5 -> 27.5 and 40.6 -> 35.3,
 DeepSeek-like 25.0 -> 14.5 and 29.2 -> 16.5, gpt-oss-like (`[K, O]`) 40.7 -> 29.3 and 43.1 ->
 31.9, moe_layer on Qwen3-like (`[K, O]`) 46.4 -> 27.3 and 47.1 -> 27.3; bfloat16 T = 16
@@ -409,7 +414,8 @@ plain sum). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU 
 two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
 inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
 0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
-2048 both sides run PyTorch's GEMM per expert, which takes 80-90% of either side's time. tutel runs
+2048 both sides run PyTorch's GEMM per expert (tutel's bf16 groups of up to 256 / 64 rows its AMX
+tile products), which takes 80-90% of either side's time. tutel runs
 each expert's product single-threaded and spreads the products over the threads, longest first:
 one 128-512-row GEMM split over both threads ran at 94-158 GFLOP/s where two single-threaded ones
 ran at 2 x 84-91 (the grouped operator at T = 2048: Qwen3-like down projection 182 -> 131 ms,
@@ -435,7 +441,8 @@ uses the bf16 GEMM rate, as defined; where that rate is far below float32's (no 
 GROUPED_GEMM_INTRO = """`benchmarks/grouped_gemm.py` times the experts' grouped product alone: one gate+up projection of
 64 experts of [1024, 1024] (F.linear layout), r rows per expert (8 active experts below 8 rows, as
 when decoding one token with top-8, all 64 from 8 rows on).  *tutel*: `torch.ops.tutel.grouped_linear`
-(skinny products up to 32 rows, up to 6 in bfloat16 beside AMX; PyTorch's GEMM per expert above); *grouped_mm*:
+(skinny products up to 32 rows, up to 6 in bfloat16 beside AMX and AMX tile products from there to 256; PyTorch's
+GEMM per expert above); *grouped_mm*:
 `torch.nn.functional.grouped_mm`; *per_expert_linear*: one `F.linear` per expert, as transformers'
 eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large `F.linear` in the dtype
 and the active weights' bytes at the read bandwidth, both measured as interleaved candidates."""

@@ -13,8 +13,10 @@ under ``torch.compile(fullgraph=True)`` without a graph break: the operator is o
 tracer.  On CPU it runs tutel's compiled grouped operator (reading the group ends costs nothing
 there), whose skinny products read each expert's matrix once for groups of up to 32 rows (fewer
 where PyTorch's GEMM has units they do not use: 6-8 for bfloat16 beside AMX, and with only the
-AVX2 build 8 for float32 beside Intel's AVX-512): it beat ``torch.nn.functional.grouped_mm`` up to
-32 rows per expert and matched it above (benchmarks/grouped_gemm.py, docs/design.md);
+AVX2 build 8 for float32 beside Intel's AVX-512), and bfloat16 groups past that on AMX tiles where
+the CPU has them (up to 256 rows of [O, K] weights, 64 of [K, O]): it beat
+``torch.nn.functional.grouped_mm`` up to 32 rows per expert and matched it above
+(benchmarks/grouped_gemm.py, docs/design.md);
 on CUDA it runs ``grouped_mm`` where PyTorch has a kernel for the operands (bfloat16 on sm80+,
 16-byte aligned strides), else one product per expert.
 """
