@@ -139,6 +139,18 @@ TEST(TileGemm, ReadsNothingPastTheOperands) {
   }
 }
 
+// [K, O] matrices wider than one work item (1024 outputs) split into several, a partial one last.
+TEST(TileGemm, WideMatricesSplitIntoItems) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(41);
+  for (WeightLayout layout : kLayouts) {
+    Operands a(layout, 3, 40, 2100, rng);
+    std::vector<SkinnyProduct<bfloat16>> products{a.product(true)};
+    tile_products(products, a.inner, a.outputs, layout);
+    expect_double_sums(a, true);
+  }
+}
+
 // Each token row's sums run the same steps in the same order whichever block of 16 it sits in, so
 // a row computed alone gives the bits it gives among 40 others.
 TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
