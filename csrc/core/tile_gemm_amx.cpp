@@ -9,6 +9,7 @@
 #include "tile_gemm.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "parallel.h"
 
@@ -25,8 +26,8 @@ namespace tutel {
 namespace core {
 namespace {
 
-// Every tile is 16 rows of 64 bytes: A holds 16 matrix rows x 32 inner values, B 16 interleaved
-// pairs of inner values x 16 token rows, C 16 x 16 float sums.
+// Every tile is 16 rows of 64 bytes: A holds 16 rows x 32 inner values, B 16 interleaved pairs of
+// inner values x 16 columns, C 16 x 16 float sums.
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kInnerStep = 32;  // inner values per tile product
 constexpr int64_t kTileBytes = 64;
@@ -414,6 +415,8 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
     for (int64_t b = 0; b < count; ++b) blocks.push_back({int64_t(i), b});
     first_tile[i + 1] = first_tile[i] + count * steps;
   }
+  // Kept per calling thread between calls, as the grouped operator's other buffers are: as large
+  // as the largest call's token rows.
   static thread_local std::vector<PackedTile> packed;
   if (packed.size() < size_t(first_tile.back())) packed.resize(size_t(first_tile.back()));
   PackedTile* const tiles = packed.data();
