@@ -9,8 +9,9 @@
 // - [O, K] matrices (F.linear's layout): the matrix serves as A straight from memory.  The
 //   products compute y^T = W x^T, repack only the token rows (x, small beside W) and transpose
 //   the 16 x 16 blocks of sums on their way out.
-// - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles), and each strip of
-//   32 matrix columns is interleaved into B tiles as it is read, once per product.
+// - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles); the matrix is read
+//   once per product, in chunks of rows across each work item's columns, and interleaved into B
+//   tiles as it streams.
 //
 // Sums run in float (AMX's bfloat16 products are exact; each sums its pairs in float, and
 // subnormal inputs and results count as zero), rounded to bfloat16 once at the end as

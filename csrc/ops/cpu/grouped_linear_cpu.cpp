@@ -5,8 +5,9 @@
 //
 // Groups of a few rows (decoding, small batches over many experts) run tutel's
 // skinny products, which read each expert's matrix once (core/skinny_gemm.h);
-// larger groups run PyTorch's GEMM, one single-threaded product per thread
-// (core/work_balance.h says why).
+// bfloat16 groups past them run on AMX tiles where the CPU has them
+// (core/tile_gemm.h); larger groups run PyTorch's GEMM, one single-threaded
+// product per thread (core/work_balance.h says why).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -179,7 +180,8 @@ void tile_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::T
   core::tile_products(products, rows.size(1), out.size(1), layout);
 }
 
-// Runs the groups the skinny products serve (see skinny_groups); returns which ones ran.
+// Runs the groups the skinny products serve (see skinny_groups), then those the tile products serve
+// (tile_groups); returns which ones ran.
 std::vector<bool> run_skinny_groups(const at::Tensor& rows, const at::Tensor& matrices,
                                     const c10::optional<at::Tensor>& bias, at::Tensor& out,
                                     const std::vector<int64_t>& offsets, core::WeightLayout layout) {
