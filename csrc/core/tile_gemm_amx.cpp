@@ -165,14 +165,30 @@ struct MatrixRowsTimesPackedRows {
   const void* b_tile(int j, int64_t s) const { return rows[(b + j) * steps + s].pairs; }
 };
 
-// sums[16 i + r][16 j + c] (a [32][32] block of floats) = C[i][j][r][c] = sum over the steps of
-// A_i B_j, for i < NA, j < NB.
+// Where a block's C tiles start and end: C[i][j] at c[i][j], rows `stride_bytes` apart, starting
+// from the sums there when `carried`, else from zero.
+struct BlockSums {
+  float* c[2][2];
+  int64_t stride_bytes;
+  bool carried;
+};
+
+// C[i][j] += sum over steps [0, steps) of A_i B_j, for i < NA, j < NB: the one tile loop of both
+// layouts, whose Operands say where step s's tiles are (a(i, s, stride) and b_tile(j, s)).
 template <int NA, int NB, class Operands>
-TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, float* sums) {
-  _tile_zero(4);
-  if (NB > 1) _tile_zero(5);
-  if (NA > 1) _tile_zero(6);
-  if (NA > 1 && NB > 1) _tile_zero(7);
+TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSums& sums) {
+  const int64_t stride = sums.stride_bytes;
+  if (sums.carried) {
+    _tile_loadd(4, sums.c[0][0], stride);
+    if (NB > 1) _tile_loadd(5, sums.c[0][1], stride);
+    if (NA > 1) _tile_loadd(6, sums.c[1][0], stride);
+    if (NA > 1 && NB > 1) _tile_loadd(7, sums.c[1][1], stride);
+  } else {
+    _tile_zero(4);
+    if (NB > 1) _tile_zero(5);
+    if (NA > 1) _tile_zero(6);
+    if (NA > 1 && NB > 1) _tile_zero(7);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     int64_t stride0 = 0, stride1 = 0;
     _tile_loadd(0, operands.a(0, s, stride0), stride0);
@@ -184,15 +200,14 @@ TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, float* sums) 
     if (NA > 1) _tile_dpbf16ps(6, 1, 2);
     if (NA > 1 && NB > 1) _tile_dpbf16ps(7, 1, 3);
   }
-  constexpr int64_t kSumsStride = 2 * kTileRows * sizeof(float);
-  _tile_stored(4, sums, kSumsStride);
-  if (NB > 1) _tile_stored(5, sums + kTileRows, kSumsStride);
-  if (NA > 1) _tile_stored(6, sums + kTileRows * 2 * kTileRows, kSumsStride);
-  if (NA > 1 && NB > 1) _tile_stored(7, sums + kTileRows * 2 * kTileRows + kTileRows, kSumsStride);
+  _tile_stored(4, sums.c[0][0], stride);
+  if (NB > 1) _tile_stored(5, sums.c[0][1], stride);
+  if (NA > 1) _tile_stored(6, sums.c[1][0], stride);
+  if (NA > 1 && NB > 1) _tile_stored(7, sums.c[1][1], stride);
 }
 
 template <class Operands>
-TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, float* sums) {
+TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, const BlockSums& sums) {
   if (two_a && two_b) tile_block<2, 2>(operands, steps, sums);
   else if (two_a) tile_block<2, 1>(operands, steps, sums);
   else if (two_b) tile_block<1, 2>(operands, steps, sums);
@@ -237,14 +252,19 @@ TUTEL_AMX void write_transposed_block(const SkinnyProduct<bfloat16>& p, const fl
 // in `rows`; `spare` holds 2 x 16 x 32 values of scratch.
 TUTEL_AMX void outputs_by_inner(const SkinnyProduct<bfloat16>& p, const PackedTile* rows, int64_t inner,
                                 int64_t outputs, int64_t o_begin, int64_t o_end, bfloat16* spare) {
+  // C[i][j] (output tile i, token tile j) at sums[16 i][16 j] of a [32][32] block.
   alignas(64) float sums[2 * kTileRows * 2 * kTileRows];
+  constexpr int64_t kRow = 2 * kTileRows, kDown = kTileRows * kRow;
+  const BlockSums block_sums{{{sums, sums + kTileRows}, {sums + kDown, sums + kDown + kTileRows}},
+                             kRow * int64_t(sizeof(float)), false};
   const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   for (int64_t o = o_begin; o < o_end; o += 2 * kTileRows) {
     const bool two_o = o_end - o > kTileRows;
     for (int64_t b = 0; b < blocks; b += 2) {
       const bool two_t = blocks - b > 1;
-      run_block(two_o, two_t, MatrixRowsTimesPackedRows{p, rows, steps, inner, outputs, o, b, spare}, steps, sums);
+      run_block(two_o, two_t, MatrixRowsTimesPackedRows{p, rows, steps, inner, outputs, o, b, spare}, steps,
+                block_sums);
       for (int64_t i = 0; i < (two_o ? 2 : 1); ++i)
         for (int64_t j = 0; j < (two_t ? 2 : 1); ++j)
           write_transposed_block(p, sums, i * kTileRows, j * kTileRows, o + i * kTileRows, o_end, (b + j) * kTileRows);
@@ -259,43 +279,20 @@ constexpr int64_t kChunkTiles = 256;
 // Steps per chunk for items `tiles` output tiles wide: 1..16.
 inline int64_t chunk_steps(int64_t tiles) { return std::max<int64_t>(1, std::min<int64_t>(16, kChunkTiles / tiles)); }
 
-// One chunk's products for token blocks b + i (i < NA) and output tiles t_o + j (j < NB) of a
-// [K, O] item: C = A (token rows, packed per step in `rows`) x B (the chunk's tiles), added to the
-// sums carried in `carried` (tile-shaped: [token block][output tile][16 x 16] floats), or starting
-// from zero on the first chunk.
-template <int NA, int NB>
-TUTEL_AMX void chunk_block(const PackedTile* rows, int64_t steps, int64_t b, const PackedTile* chunk,
-                           int64_t tiles, int64_t t_o, int64_t s_begin, int64_t s_count, float* carried, bool first) {
-  float* const c00 = carried + (b * tiles + t_o) * kTileRows * kTileRows;
-  float* const c01 = c00 + kTileRows * kTileRows;
-  float* const c10 = c00 + tiles * kTileRows * kTileRows;
-  float* const c11 = c10 + kTileRows * kTileRows;
-  if (first) {
-    _tile_zero(4);
-    if (NB > 1) _tile_zero(5);
-    if (NA > 1) _tile_zero(6);
-    if (NA > 1 && NB > 1) _tile_zero(7);
-  } else {
-    _tile_loadd(4, c00, kTileBytes);
-    if (NB > 1) _tile_loadd(5, c01, kTileBytes);
-    if (NA > 1) _tile_loadd(6, c10, kTileBytes);
-    if (NA > 1 && NB > 1) _tile_loadd(7, c11, kTileBytes);
+// The operands of one block for [K, O] matrices, over one chunk's steps: A = the packed token rows
+// of blocks b + i at step s_begin + s, B = the chunk's output tiles t_o + j at its step s.
+struct PackedRowsTimesChunk {
+  const PackedTile* rows;
+  int64_t steps, b, s_begin;
+  const PackedTile* chunk;
+  int64_t tiles, t_o;
+
+  const void* a(int i, int64_t s, int64_t& stride_bytes) const {
+    stride_bytes = kTileBytes;
+    return rows[(b + i) * steps + s_begin + s].pairs;
   }
-  for (int64_t s = 0; s < s_count; ++s) {
-    _tile_loadd(0, rows[b * steps + s_begin + s].pairs, kTileBytes);
-    if (NA > 1) _tile_loadd(1, rows[(b + 1) * steps + s_begin + s].pairs, kTileBytes);
-    _tile_loadd(2, chunk[s * tiles + t_o].pairs, kTileBytes);
-    if (NB > 1) _tile_loadd(3, chunk[s * tiles + t_o + 1].pairs, kTileBytes);
-    _tile_dpbf16ps(4, 0, 2);
-    if (NB > 1) _tile_dpbf16ps(5, 0, 3);
-    if (NA > 1) _tile_dpbf16ps(6, 1, 2);
-    if (NA > 1 && NB > 1) _tile_dpbf16ps(7, 1, 3);
-  }
-  _tile_stored(4, c00, kTileBytes);
-  if (NB > 1) _tile_stored(5, c01, kTileBytes);
-  if (NA > 1) _tile_stored(6, c10, kTileBytes);
-  if (NA > 1 && NB > 1) _tile_stored(7, c11, kTileBytes);
-}
+  const void* b_tile(int j, int64_t s) const { return chunk[s * tiles + t_o + j].pairs; }
+};
 
 // [K, O] matrices: outputs [o_begin, o_end) of product p, whose token rows are packed as A tiles in
 // `rows`.  `chunk` holds chunk_steps x (o_end - o_begin) / 16 tiles and `carried` one tile per
@@ -313,11 +310,13 @@ TUTEL_AMX void inner_by_outputs(const SkinnyProduct<bfloat16>& p, const PackedTi
       const bool two_o = tiles - t_o > 1;
       for (int64_t b = 0; b < blocks; b += 2) {
         const bool two_t = blocks - b > 1;
-        const bool first = s_begin == 0;
-        if (two_t && two_o) chunk_block<2, 2>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
-        else if (two_t) chunk_block<2, 1>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
-        else if (two_o) chunk_block<1, 2>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
-        else chunk_block<1, 1>(rows, steps, b, chunk, tiles, t_o, s_begin, s_end - s_begin, carried, first);
+        // C[i][j] (token block b + i, output tile t_o + j) carried in its own tile of `carried`.
+        float* const c = carried + (b * tiles + t_o) * kTileRows * kTileRows;
+        float* const below = c + tiles * kTileRows * kTileRows;
+        const BlockSums sums{{{c, c + kTileRows * kTileRows}, {below, below + kTileRows * kTileRows}}, kTileBytes,
+                             s_begin > 0};
+        run_block(two_t, two_o, PackedRowsTimesChunk{rows, steps, b, s_begin, chunk, tiles, t_o}, s_end - s_begin,
+                  sums);
       }
     }
   }
