@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "avx2_lanes.h"
+#include "avx512_lanes.h"
 #include "skinny_gemm.h"
 #include "skinny_prefetch.h"
 
@@ -30,24 +30,14 @@
 #endif
 
 #define TUTEL_HAVE_AVX512_KERNELS 1
-#define TUTEL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
 
 namespace tutel {
 namespace core {
 namespace skinny {
 
-// What the AVX-512 kernels need of the CPU (and of the OS: __builtin_cpu_supports checks that it
-// saves the 512-bit state).
-inline bool cpu_has_avx512() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return supported;
-}
-
 inline bool cpu_has_avx512_bf16() {
-  static const bool supported = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  static const bool supported = avx512::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   return supported;
 }
 

@@ -53,14 +53,11 @@ struct Wide<float> {
 
 template <>
 struct Wide<bfloat16> {
-  TUTEL_AVX512 static __m512 widen(__m256i bits) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
   TUTEL_AVX512 static __m512 load(const bfloat16* p) {
-    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return avx512::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   TUTEL_AVX512 static __m512 load_first(const bfloat16* p, int64_t n) {
-    return widen(_mm256_maskz_loadu_epi16(first_lanes16(n), p));
+    return avx512::widen_bf16(_mm256_maskz_loadu_epi16(first_lanes16(n), p));
   }
 };
 
@@ -83,14 +80,6 @@ struct WideningDot {
   TUTEL_AVX512 static Operand load_first(const T* p, int64_t n) { return Wide<T>::load_first(p, n); }
   TUTEL_AVX512 static __m512 madd(__m512 acc, Operand w, Operand x) { return _mm512_fmadd_ps(w, x, acc); }
 };
-
-// Sixteen floats stored as T, eight at a time through the AVX2 kernels' stores (avx2_lanes.h:
-// 16-bit values rounded as scalar.h rounds them).
-template <class T>
-TUTEL_AVX512 void store16(T* p, __m512 v) {
-  avx2::Lanes<T>::store(p, _mm512_extractf32x8_ps(v, 0));
-  avx2::Lanes<T>::store(p + 8, _mm512_extractf32x8_ps(v, 1));
-}
 
 // Where a strip block of the [K, O] walk reads and leaves its sums.
 struct StripSums {
@@ -135,7 +124,7 @@ TUTEL_AVX512 void strip_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(carry + j * sums.width + 16 * v, acc[j][v]);
   } else {
     for (int j = 0; j < NR; ++j)
-      for (int v = 0; v < NV; ++v) store16(p.y + (r + j) * p.y_stride + o + 16 * v, acc[j][v]);
+      for (int v = 0; v < NV; ++v) avx512::store16(p.y + (r + j) * p.y_stride + o + 16 * v, acc[j][v]);
   }
 }
 
@@ -212,7 +201,7 @@ const SkinnyKernels<T>* avx512_widening_skinny_kernels() {
 #ifdef TUTEL_HAVE_AVX512_KERNELS
   if constexpr (!std::is_same<T, double>::value) {
     const SkinnyKernels<T>* avx2 = avx2_skinny_kernels<T>();  // every CPU with AVX-512 has AVX2
-    if (!skinny::cpu_has_avx512() || avx2 == nullptr) return nullptr;
+    if (!avx512::cpu_has_avx512() || avx2 == nullptr) return nullptr;
     static const SkinnyKernels<T> kernels{&skinny::outputs_by_inner<T, WideningDot<T>>, &inner_by_outputs<T>, 512, 512};
     return &kernels;
   }

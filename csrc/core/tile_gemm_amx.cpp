@@ -18,7 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "avx2_lanes.h"
+#include "avx512_lanes.h"
 
 #define TUTEL_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-bf16")))
 
@@ -217,15 +217,13 @@ TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64
 // The bias of outputs [o, o + n), n <= 16, as floats (zero without a bias).
 TUTEL_AMX inline __m512 load_bias(const bfloat16* bias, int64_t o, int64_t n) {
   if (!bias) return _mm512_setzero_ps();
-  const __m256i bits = _mm256_maskz_loadu_epi16(__mmask16((uint32_t(1) << n) - 1u), bias + o);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return avx512::widen_bf16(_mm256_maskz_loadu_epi16(__mmask16((uint32_t(1) << n) - 1u), bias + o));
 }
 
 // Stores the first n <= 16 lanes of `sums` to y, rounded as Scalar<bfloat16>::store rounds.
 TUTEL_AMX inline void store_outputs(bfloat16* y, __m512 sums, int64_t n) {
   if (n == kTileRows) {
-    avx2::Lanes<bfloat16>::store(y, _mm512_castps512_ps256(sums));
-    avx2::Lanes<bfloat16>::store(y + 8, _mm512_extractf32x8_ps(sums, 1));
+    avx512::store16(y, sums);
     return;
   }
   alignas(64) float lanes[16];
@@ -395,10 +393,8 @@ bool os_grants_tile_data() {
 }  // namespace
 
 bool tile_products_available() {
-  static const bool available = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                                os_grants_tile_data();
+  static const bool available = avx512::cpu_has_avx512() && __builtin_cpu_supports("amx-tile") &&
+                                __builtin_cpu_supports("amx-bf16") && os_grants_tile_data();
   return available;
 }
 
