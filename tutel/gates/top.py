@@ -1,7 +1,7 @@
 """The linear top-k gate (Tutel's ``{'type': 'top'}``)."""
 import torch
-import torch.nn.functional as F
 
+from ..ops.linear import token_linear
 from ._fp32 import Float32ParametersMixin
 from ._options import check_routing_options, clamp_top_k
 
@@ -29,7 +29,7 @@ class LinearTopKGate(Float32ParametersMixin, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.wg.weight
-        return F.linear(x.to(weight.dtype), weight, self.wg.bias)
+        return token_linear(x.to(weight.dtype), weight, self.wg.bias)
 
 
 Gate = LinearTopKGate
