@@ -416,10 +416,14 @@ inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call oper
 0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
 2048 both sides run PyTorch's GEMM per expert (tutel's bf16 groups of up to 256 / 64 rows its AMX
 tile products), which takes 80-90% of either side's time. tutel runs
-each expert's product single-threaded and spreads the products over the threads, longest first:
-one 128-512-row GEMM split over both threads ran at 94-158 GFLOP/s where two single-threaded ones
-ran at 2 x 84-91 (the grouped operator at T = 2048: Qwen3-like down projection 182 -> 131 ms,
-DeepSeek-like 100 -> 78 ms). Its operators' large buffers come from a block cache
+each expert's product single-threaded, the threads claiming the products one at a time as they
+finish the last, largest first: one 128-512-row GEMM split over both threads ran at 94-158 GFLOP/s
+where two single-threaded ones ran at 2 x 84-91 (the grouped operator at T = 2048: Qwen3-like down
+projection 182 -> 131 ms, DeepSeek-like 100 -> 78 ms), and claiming instead of lists fixed from
+the products' multiply-adds shares the products whose GEMM runs slower than its estimate (bf16
+weight gradients 1.45x the input gradient's time): Mixtral-like bf16 forward+backward at T = 2048
+447 -> 282 ms, forward 119 -> 85 ms, Qwen3-like fp32 forward+backward 1175 -> 922 ms (docs/design.md,
+"Large groups"). Its operators' large buffers come from a block cache
 (`tutel.ops.host_buffers`): under glibc's default malloc every block over 32 MiB is a fresh mapping
 faulted in page by page, which cost a Qwen3-like training step at T = 2048 213 000 page faults and
 about 0.45 s of system time (1.31 -> 1.0 s without them); transformers' backends still pay them

@@ -229,7 +229,8 @@ void add_product(std::vector<ProductPiece>& pieces, const at::Tensor& out, const
 }
 
 // Runs every piece: with several threads, each piece as one single-threaded GEMM and the
-// pieces spread over the threads by cost; else one after another (each GEMM threaded).
+// pieces claimed by the threads as they finish the last, largest first; else one after
+// another (each GEMM threaded).
 void run_pieces(const std::vector<ProductPiece>& pieces) {
   auto run = [&](const ProductPiece& piece) {
     at::Tensor out = piece.out;
@@ -247,23 +248,21 @@ void run_pieces(const std::vector<ProductPiece>& pieces) {
   std::vector<double> costs;
   costs.reserve(pieces.size());
   for (const ProductPiece& piece : pieces) costs.push_back(piece.cost);
-  const std::vector<std::vector<int64_t>> lists = core::balance_work(costs, threads);
-  // Grain 1 over the workers: each list runs on its own thread, and the GEMMs inside a
+  core::WorkQueue queue(core::longest_first(costs));
+  // Grain 1 over the workers: each claims pieces until none is left, and the GEMMs inside a
   // parallel region run single-threaded.  The pool's threads take this thread's dispatch
   // state (below autograd), or the out= products would refuse tensors that need grad.
   const at::ThreadLocalState caller_state;
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const at::ThreadLocalStateGuard state_guard(caller_state);
-    for (int64_t worker = first; worker < last; ++worker) {
-      for (int64_t item : lists[worker]) run(pieces[item]);
-    }
+    for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) run(pieces[size_t(item)]);
   });
 }
 
 // The largest piece worth keeping whole when `total` multiply-adds are spread over the
-// threads: half of one thread's share, so the longest-first spread stays even (finer cuts
-// pack the other operand more often: Mixtral-like T=8192 ran 1.3x slower at a quarter
-// with 64-row pieces).
+// threads: half of one thread's share, so that the threads' last claims end close together
+// (finer cuts pack the other operand more often: Mixtral-like T=8192 ran 1.3x slower at a
+// quarter with 64-row pieces).
 double max_piece_cost(double total) { return total / double(2 * std::max(1, at::get_num_threads())); }
 
 // How a product reads weight[g]: rows @ W^T for [O, K] matrices, rows @ W for [K, O].
