@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "parallel.h"
+#include "work_balance.h"
 
 namespace tutel {
 namespace core {
@@ -85,11 +86,20 @@ void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inne
                                                                 : stream_tile_outputs(products.size(), outputs);
   const int64_t tiles = (outputs + tile - 1) / tile;
   const int64_t items = int64_t(products.size()) * tiles;
-  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const SkinnyProduct<T>& p = products[item / tiles];
-      const int64_t o_begin = (item % tiles) * tile;
-      kernel(p, inner, o_begin, std::min(outputs, o_begin + tile));
+  // The threads claim items as they finish the last, those of the products with the most rows
+  // first (an item's time follows its product's rows).
+  std::vector<double> item_costs(static_cast<size_t>(items));
+  for (int64_t i = 0; i < items; ++i) item_costs[size_t(i)] = double(products[size_t(i / tiles)].rows);
+  WorkQueue queue(longest_first(item_costs));
+  const int64_t workers = max_parallelism();
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (auto run = queue.claim_run(workers); run.first < run.second; run = queue.claim_run(workers)) {
+      for (int64_t position = run.first; position < run.second; ++position) {
+        const int64_t item = queue.at(position);
+        const SkinnyProduct<T>& p = products[size_t(item / tiles)];
+        const int64_t o_begin = (item % tiles) * tile;
+        kernel(p, inner, o_begin, std::min(outputs, o_begin + tile));
+      }
     }
   });
 }

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "parallel.h"
+#include "work_balance.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #include <immintrin.h>
@@ -356,7 +357,8 @@ struct TileWork {
   WeightLayout layout;
 };
 
-TUTEL_AMX void run_items(const TileWork& work, int64_t begin, int64_t end) {
+// Runs the items this thread claims from `queue` until none is left.
+TUTEL_AMX void run_items(const TileWork& work, WorkQueue& queue) {
   load_tile_config();
   const int64_t width = work.width, tiles = width / kTileRows;
   alignas(64) bfloat16 spare[2 * kTileRows * kInnerStep];
@@ -369,7 +371,7 @@ TUTEL_AMX void run_items(const TileWork& work, int64_t begin, int64_t end) {
     if (chunk.size() < chunk_tiles) chunk.resize(chunk_tiles);
     if (carried.size() < carried_tiles) carried.resize(carried_tiles);
   }
-  for (int64_t item = begin; item < end; ++item) {
+  for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) {
     const SkinnyProduct<bfloat16>& p = work.products[item / work.items_per_product];
     const PackedTile* rows = work.packed + work.first_tile[item / work.items_per_product];
     const int64_t o_begin = (item % work.items_per_product) * width;
@@ -426,8 +428,12 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
   const int64_t width = outputs_per_item(layout, products.size(), outputs);
   const int64_t items_per_product = (outputs + width - 1) / width;
   const TileWork work{products, first_tile, tiles, inner, outputs, width, items_per_product, max_rows, layout};
-  parallel_for(0, int64_t(products.size()) * items_per_product, 1,
-               [&](int64_t begin, int64_t end) { run_items(work, begin, end); });
+  // The threads claim items as they finish the last, those of the products with the most rows
+  // first: an item's time follows its product's rows, which differ from expert to expert.
+  std::vector<double> costs(products.size() * size_t(items_per_product));
+  for (size_t i = 0; i < costs.size(); ++i) costs[i] = double(products[i / size_t(items_per_product)].rows);
+  WorkQueue queue(longest_first(costs));
+  parallel_for(0, max_parallelism(), 1, [&](int64_t, int64_t) { run_items(work, queue); });
 }
 
 }  // namespace core

@@ -5,6 +5,7 @@
 // inside every product and shares each packed panel.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -38,6 +39,25 @@ class WorkQueue {
     const int64_t position = next_.fetch_add(1, std::memory_order_relaxed);
     return position < int64_t(order_.size()) ? order_[size_t(position)] : -1;
   }
+
+  // A run of neighbouring positions of the order, [first, last), claimed together: 1 / (2 workers)
+  // of the items left, at least one (first == last once every item is claimed).  For small items
+  // of neighbouring memory (a matrix's outputs in pieces): each worker streams long runs first,
+  // where claiming items one at a time had the workers take turns along the same matrix (bf16
+  // Qwen3-like experts at one token 1.96 -> 2.06 ms), and the last claims are single items.
+  // Safe from several threads, also beside claim().
+  std::pair<int64_t, int64_t> claim_run(int64_t workers) {
+    const int64_t size = int64_t(order_.size());
+    int64_t first = next_.load(std::memory_order_relaxed);
+    while (first < size) {
+      const int64_t take = std::max<int64_t>(1, (size - first) / (2 * std::max<int64_t>(1, workers)));
+      if (next_.compare_exchange_weak(first, first + take, std::memory_order_relaxed)) return {first, first + take};
+    }
+    return {size, size};
+  }
+
+  // The item at `position` of the order.
+  int64_t at(int64_t position) const { return order_[size_t(position)]; }
 
  private:
   const std::vector<int64_t> order_;

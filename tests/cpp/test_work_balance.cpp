@@ -75,6 +75,59 @@ TEST(WorkBalance, EveryItemClaimedExactlyOnceFromSeveralThreads) {
   EXPECT_EQ(seen, all);
 }
 
+TEST(WorkBalance, RunsAreAShareOfWhatIsLeftAndCoverTheOrder) {
+  // 2 workers: a quarter of what is left each time, at least one: 40 -> 10, 7, 5, 4, 3, 2, 2, 1 ...
+  std::vector<int64_t> order(40);
+  std::iota(order.begin(), order.end(), int64_t(100));
+  WorkQueue queue(order);
+  std::vector<int64_t> sizes, items;
+  for (auto run = queue.claim_run(2); run.first < run.second; run = queue.claim_run(2)) {
+    EXPECT_EQ(run.first, int64_t(items.size()));  // runs follow each other
+    sizes.push_back(run.second - run.first);
+    for (int64_t position = run.first; position < run.second; ++position) items.push_back(queue.at(position));
+  }
+  EXPECT_EQ(items, order);
+  ASSERT_GE(sizes.size(), 4u);
+  EXPECT_EQ((std::vector<int64_t>(sizes.begin(), sizes.begin() + 4)), (std::vector<int64_t>{10, 7, 5, 4}));
+  EXPECT_EQ(sizes.back(), 1);
+  EXPECT_EQ(queue.claim_run(2), (std::pair<int64_t, int64_t>{40, 40}));
+  EXPECT_EQ(queue.claim(), -1);
+  WorkQueue empty({});
+  EXPECT_EQ(empty.claim_run(3), (std::pair<int64_t, int64_t>{0, 0}));
+}
+
+TEST(WorkBalance, RunsAndSingleClaimsFromSeveralThreadsCoverEveryItemOnce) {
+  constexpr int64_t kItems = 20000, kThreads = 4;
+  std::vector<int64_t> order(kItems);
+  std::iota(order.begin(), order.end(), int64_t(0));
+  std::shuffle(order.begin(), order.end(), std::mt19937(9));
+  WorkQueue queue(order);
+  std::vector<std::vector<int64_t>> claimed(kThreads);
+  std::vector<std::thread> threads;
+  for (int64_t t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      while (true) {  // odd threads take single items, even ones runs
+        if (t % 2) {
+          const int64_t item = queue.claim();
+          if (item < 0) return;
+          claimed[size_t(t)].push_back(item);
+        } else {
+          const auto run = queue.claim_run(kThreads);
+          if (run.first == run.second) return;
+          for (int64_t position = run.first; position < run.second; ++position)
+            claimed[size_t(t)].push_back(queue.at(position));
+        }
+      }
+    });
+  for (std::thread& thread : threads) thread.join();
+  std::vector<int64_t> seen;
+  for (const auto& list : claimed) seen.insert(seen.end(), list.begin(), list.end());
+  std::sort(seen.begin(), seen.end());
+  std::vector<int64_t> all(kItems);
+  std::iota(all.begin(), all.end(), int64_t(0));
+  EXPECT_EQ(seen, all);
+}
+
 TEST(WorkBalance, ClaimingStaysWithinTheGreedyBoundOnTheRealCosts) {
   // Greedy claiming ends by the mean real load plus (1 - 1/m) of the longest real item, whatever
   // the estimates said: here the real costs are the estimates times 0.5..2.
