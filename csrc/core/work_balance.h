@@ -24,12 +24,12 @@ int64_t pieces_to_cut(double cost, double max_cost, int64_t extent, int64_t min_
 // order.
 std::vector<int64_t> longest_first(const std::vector<double>& costs);
 
-// Hands out the items of an order one at a time to whichever worker asks next.  The costs are
-// estimates (multiply-adds), and products of equal cost run at different rates (PyTorch's bfloat16
-// GEMM took 1.45x longer for a weight gradient, whose left operand is a transposed view, than for
-// the input gradient of the same shape): a worker that claims as it finishes ends at most one item
-// after the others whatever the real costs, where lists fixed in advance left one thread with every
-// slow item.
+// Hands out the items of an order, one at a time or in runs, to whichever worker asks next.  The
+// costs are estimates (multiply-adds), and products of equal cost run at different rates (PyTorch's
+// bfloat16 GEMM took 1.45x longer for a weight gradient, whose left operand is a transposed view,
+// than for the input gradient of the same shape): a worker that claims as it finishes ends at most
+// one item after the others whatever the real costs, where lists fixed in advance left one thread
+// with every slow item.
 class WorkQueue {
  public:
   explicit WorkQueue(std::vector<int64_t> order) : order_(std::move(order)) {}
