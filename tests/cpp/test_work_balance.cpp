@@ -35,6 +35,33 @@ double makespan_claiming(WorkQueue& queue, const std::vector<double>& actual, in
   return *std::max_element(free_at.begin(), free_at.end());
 }
 
+std::vector<int64_t> zero_to(int64_t n) {
+  std::vector<int64_t> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), int64_t(0));
+  return all;
+}
+
+// Every item that `threads` threads claimed from one queue of a shuffled order of `items` items,
+// sorted: thread t calls take(queue, t, its list) until it returns false.
+template <class Take>
+std::vector<int64_t> claimed_by_threads(int64_t items, int64_t threads, unsigned seed, Take take) {
+  std::vector<int64_t> order = zero_to(items);
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  WorkQueue queue(order);
+  std::vector<std::vector<int64_t>> claimed(static_cast<size_t>(threads));
+  std::vector<std::thread> workers;
+  for (int64_t t = 0; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      while (take(queue, t, claimed[size_t(t)])) {
+      }
+    });
+  for (std::thread& worker : workers) worker.join();
+  std::vector<int64_t> seen;
+  for (const auto& list : claimed) seen.insert(seen.end(), list.begin(), list.end());
+  std::sort(seen.begin(), seen.end());
+  return seen;
+}
+
 }  // namespace
 
 TEST(WorkBalance, LongestFirstOrdersByCostThenIndex) {
@@ -55,24 +82,12 @@ TEST(WorkBalance, QueueHandsOutItsOrderOnceThenMinusOne) {
 }
 
 TEST(WorkBalance, EveryItemClaimedExactlyOnceFromSeveralThreads) {
-  constexpr int64_t kItems = 20000, kThreads = 4;
-  std::vector<int64_t> order(kItems);
-  std::iota(order.begin(), order.end(), int64_t(0));
-  std::shuffle(order.begin(), order.end(), std::mt19937(5));
-  WorkQueue queue(order);
-  std::vector<std::vector<int64_t>> claimed(kThreads);
-  std::vector<std::thread> threads;
-  for (int64_t t = 0; t < kThreads; ++t)
-    threads.emplace_back([&, t] {
-      for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) claimed[size_t(t)].push_back(item);
-    });
-  for (std::thread& thread : threads) thread.join();
-  std::vector<int64_t> seen;
-  for (const auto& list : claimed) seen.insert(seen.end(), list.begin(), list.end());
-  std::sort(seen.begin(), seen.end());
-  std::vector<int64_t> all(kItems);
-  std::iota(all.begin(), all.end(), int64_t(0));
-  EXPECT_EQ(seen, all);
+  const auto seen = claimed_by_threads(20000, 4, 5, [](WorkQueue& queue, int64_t, std::vector<int64_t>& mine) {
+    const int64_t item = queue.claim();
+    if (item >= 0) mine.push_back(item);
+    return item >= 0;
+  });
+  EXPECT_EQ(seen, zero_to(20000));
 }
 
 TEST(WorkBalance, RunsAreAShareOfWhatIsLeftAndCoverTheOrder) {
@@ -97,35 +112,18 @@ TEST(WorkBalance, RunsAreAShareOfWhatIsLeftAndCoverTheOrder) {
 }
 
 TEST(WorkBalance, RunsAndSingleClaimsFromSeveralThreadsCoverEveryItemOnce) {
-  constexpr int64_t kItems = 20000, kThreads = 4;
-  std::vector<int64_t> order(kItems);
-  std::iota(order.begin(), order.end(), int64_t(0));
-  std::shuffle(order.begin(), order.end(), std::mt19937(9));
-  WorkQueue queue(order);
-  std::vector<std::vector<int64_t>> claimed(kThreads);
-  std::vector<std::thread> threads;
-  for (int64_t t = 0; t < kThreads; ++t)
-    threads.emplace_back([&, t] {
-      while (true) {  // odd threads take single items, even ones runs
-        if (t % 2) {
-          const int64_t item = queue.claim();
-          if (item < 0) return;
-          claimed[size_t(t)].push_back(item);
-        } else {
-          const auto run = queue.claim_run(kThreads);
-          if (run.first == run.second) return;
-          for (int64_t position = run.first; position < run.second; ++position)
-            claimed[size_t(t)].push_back(queue.at(position));
-        }
-      }
-    });
-  for (std::thread& thread : threads) thread.join();
-  std::vector<int64_t> seen;
-  for (const auto& list : claimed) seen.insert(seen.end(), list.begin(), list.end());
-  std::sort(seen.begin(), seen.end());
-  std::vector<int64_t> all(kItems);
-  std::iota(all.begin(), all.end(), int64_t(0));
-  EXPECT_EQ(seen, all);
+  // Odd threads take single items, even ones runs.
+  const auto seen = claimed_by_threads(20000, 4, 9, [](WorkQueue& queue, int64_t t, std::vector<int64_t>& mine) {
+    if (t % 2) {
+      const int64_t item = queue.claim();
+      if (item >= 0) mine.push_back(item);
+      return item >= 0;
+    }
+    const auto run = queue.claim_run(4);
+    for (int64_t position = run.first; position < run.second; ++position) mine.push_back(queue.at(position));
+    return run.first < run.second;
+  });
+  EXPECT_EQ(seen, zero_to(20000));
 }
 
 TEST(WorkBalance, ClaimingStaysWithinTheGreedyBoundOnTheRealCosts) {
