@@ -85,12 +85,11 @@ void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inne
   const int64_t tile = layout == WeightLayout::kOutputsByInner ? kOutputsPerTile
                                                                 : stream_tile_outputs(products.size(), outputs);
   const int64_t tiles = (outputs + tile - 1) / tile;
-  const int64_t items = int64_t(products.size()) * tiles;
   // The threads claim items as they finish the last, those of the products with the most rows
   // first (an item's time follows its product's rows).
-  std::vector<double> item_costs(static_cast<size_t>(items));
-  for (int64_t i = 0; i < items; ++i) item_costs[size_t(i)] = double(products[size_t(i / tiles)].rows);
-  WorkQueue queue(longest_first(item_costs));
+  std::vector<double> rows;
+  for (const SkinnyProduct<T>& p : products) rows.push_back(double(p.rows));
+  WorkQueue queue(grouped_longest_first(rows, tiles));
   const int64_t workers = max_parallelism();
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (auto run = queue.claim_run(workers); run.first < run.second; run = queue.claim_run(workers)) {

@@ -424,15 +424,17 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
     }
   });
   int64_t max_rows = 0;
-  for (const SkinnyProduct<bfloat16>& p : products) max_rows = std::max(max_rows, p.rows);
+  std::vector<double> rows;
+  for (const SkinnyProduct<bfloat16>& p : products) {
+    max_rows = std::max(max_rows, p.rows);
+    rows.push_back(double(p.rows));
+  }
   const int64_t width = outputs_per_item(layout, products.size(), outputs);
   const int64_t items_per_product = (outputs + width - 1) / width;
   const TileWork work{products, first_tile, tiles, inner, outputs, width, items_per_product, max_rows, layout};
   // The threads claim items as they finish the last, those of the products with the most rows
   // first: an item's time follows its product's rows, which differ from expert to expert.
-  std::vector<double> costs(products.size() * size_t(items_per_product));
-  for (size_t i = 0; i < costs.size(); ++i) costs[i] = double(products[i / size_t(items_per_product)].rows);
-  WorkQueue queue(longest_first(costs));
+  WorkQueue queue(grouped_longest_first(rows, items_per_product));
   parallel_for(0, max_parallelism(), 1, [&](int64_t, int64_t) { run_items(work, queue); });
 }
 

@@ -21,5 +21,13 @@ std::vector<int64_t> longest_first(const std::vector<double>& costs) {
   return order;
 }
 
+std::vector<int64_t> grouped_longest_first(const std::vector<double>& group_costs, int64_t per_group) {
+  std::vector<int64_t> items;
+  items.reserve(group_costs.size() * size_t(std::max<int64_t>(0, per_group)));
+  for (int64_t group : longest_first(group_costs))
+    for (int64_t i = 0; i < per_group; ++i) items.push_back(group * per_group + i);
+  return items;
+}
+
 }  // namespace core
 }  // namespace tutel

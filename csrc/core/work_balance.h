@@ -24,6 +24,11 @@ int64_t pieces_to_cut(double cost, double max_cost, int64_t extent, int64_t min_
 // order.
 std::vector<int64_t> longest_first(const std::vector<double>& costs);
 
+// The items of groups of `per_group` items each (group g's items g * per_group .. + per_group - 1,
+// all of one cost), in the order longest_first gives them: the groups by `group_costs`, largest
+// first, equal costs in index order, each group's items together in index order.
+std::vector<int64_t> grouped_longest_first(const std::vector<double>& group_costs, int64_t per_group);
+
 // Hands out the items of an order, one at a time or in runs, to whichever worker asks next.  The
 // costs are estimates (multiply-adds), and products of equal cost run at different rates (PyTorch's
 // bfloat16 GEMM took 1.45x longer for a weight gradient, whose left operand is a transposed view,

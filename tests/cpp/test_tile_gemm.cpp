@@ -47,6 +47,11 @@ struct Operands {
   SkinnyProduct<bfloat16> product(bool with_bias) {
     return {x.data(), x_stride, w.data(), w_stride, with_bias ? bias.data() : nullptr, y.data(), y_stride, rows};
   }
+  // This product alone through tile_products.
+  void run_alone(bool with_bias) {
+    const std::vector<SkinnyProduct<bfloat16>> products{product(with_bias)};
+    tile_products(products, inner, outputs, layout);
+  }
 };
 
 void expect_double_sums(const Operands& a, bool with_bias) {
@@ -145,8 +150,7 @@ TEST(TileGemm, WideMatricesSplitIntoItems) {
   std::mt19937 rng(41);
   for (WeightLayout layout : kLayouts) {
     Operands a(layout, 3, 40, 2100, rng);
-    std::vector<SkinnyProduct<bfloat16>> products{a.product(true)};
-    tile_products(products, a.inner, a.outputs, layout);
+    a.run_alone(true);
     expect_double_sums(a, true);
   }
 }
@@ -158,15 +162,13 @@ TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
   std::mt19937 rng(5);
   for (WeightLayout layout : kLayouts) {
     Operands many(layout, 41, 300, 70, rng);
-    std::vector<SkinnyProduct<bfloat16>> products{many.product(true)};
-    tile_products(products, many.inner, many.outputs, layout);
+    many.run_alone(true);
     for (int64_t r : {0, 15, 16, 33, 40}) {
       Operands alone(layout, 1, many.inner, many.outputs, rng);
       alone.w = many.w;
       alone.bias = many.bias;
       for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
-      std::vector<SkinnyProduct<bfloat16>> single{alone.product(true)};
-      tile_products(single, alone.inner, alone.outputs, layout);
+      alone.run_alone(true);
       for (int64_t o = 0; o < many.outputs; ++o)
         ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o])) << "row " << r << " output " << o;
     }
@@ -182,8 +184,7 @@ TEST(TileGemm, NanStoresMatchScalarStores) {
   for (WeightLayout layout : kLayouts) {
     Operands a(layout, 3, 40, 21, rng);
     a.x[1 * a.x_stride + 7] = nan;
-    std::vector<SkinnyProduct<bfloat16>> products{a.product(false)};
-    tile_products(products, a.inner, a.outputs, layout);
+    a.run_alone(false);
     for (int64_t o = 0; o < a.outputs; ++o) {
       EXPECT_EQ(bits_of(a.y[1 * a.y_stride + o]), bits_of(nan)) << "output " << o;
       EXPECT_FALSE(std::isnan(value(a.y[o]))) << "output " << o << " of a row without NaN";

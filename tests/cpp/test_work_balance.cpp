@@ -70,6 +70,23 @@ TEST(WorkBalance, LongestFirstOrdersByCostThenIndex) {
   EXPECT_TRUE(longest_first({}).empty());
 }
 
+TEST(WorkBalance, GroupedItemsFollowTheirGroupsLongestFirst) {
+  // Groups of 3 items; costs 2, 5, 2, 7: groups 3, 1, 0, 2, each group's items together.
+  EXPECT_EQ(grouped_longest_first({2, 5, 2, 7}, 3),
+            (std::vector<int64_t>{9, 10, 11, 3, 4, 5, 0, 1, 2, 6, 7, 8}));
+  // The same order longest_first gives the items with their groups' costs.
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t groups = 1 + trial % 9, per_group = 1 + trial % 5;
+    std::vector<double> group_costs;
+    for (int64_t g = 0; g < groups; ++g) group_costs.push_back(double(rng() % 4));  // ties on purpose
+    std::vector<double> item_costs;
+    for (int64_t item = 0; item < groups * per_group; ++item) item_costs.push_back(group_costs[size_t(item / per_group)]);
+    EXPECT_EQ(grouped_longest_first(group_costs, per_group), longest_first(item_costs));
+  }
+  EXPECT_TRUE(grouped_longest_first({}, 4).empty());
+}
+
 TEST(WorkBalance, QueueHandsOutItsOrderOnceThenMinusOne) {
   WorkQueue queue({4, 0, 2});
   EXPECT_EQ(queue.claim(), 4);
