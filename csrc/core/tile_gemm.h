@@ -9,9 +9,15 @@
 // - [O, K] matrices (F.linear's layout): the matrix serves as A straight from memory.  The
 //   products compute y^T = W x^T, repack only the token rows (x, small beside W) and transpose
 //   the 16 x 16 blocks of sums on their way out.
-// - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles); the matrix is read
-//   once per product, in chunks of rows across each work item's columns, and interleaved into B
-//   tiles as it streams.
+// - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles).  Up to 16 token
+//   rows the matrix serves as B straight from memory, its rows' neighbouring values taken as the
+//   pairs and the token rows spread over alternate lanes to match (twice the tile products, no
+//   pass over the matrix beforehand); with more rows it is read once per product, in chunks of
+//   rows across each work item's columns, and interleaved into B tiles as it streams.
+//
+// Read in place, a NaN or infinite matrix value W[k][c] also makes output c ^ 1 of every token
+// row NaN (its lane meets the spread rows' zeros); everywhere else a NaN reaches only its own
+// output, as in any GEMM.
 //
 // Sums run in float (AMX's bfloat16 products are exact; each sums its pairs in float, and
 // subnormal inputs and results count as zero), rounded to bfloat16 once at the end as

@@ -9,6 +9,7 @@
 #include "tile_gemm.h"
 
 #include <algorithm>
+#include <numeric>
 #include <utility>
 
 #include "parallel.h"
@@ -163,7 +164,10 @@ struct MatrixRowsTimesPackedRows {
     stride_bytes = kTileBytes;
     return copy;
   }
-  const void* b_tile(int j, int64_t s) const { return rows[(b + j) * steps + s].pairs; }
+  const void* b_tile(int j, int64_t s, int64_t& stride_bytes) const {
+    stride_bytes = kTileBytes;
+    return rows[(b + j) * steps + s].pairs;
+  }
 };
 
 // Where a block's C tiles start and end: C[i][j] at c[i][j], rows `stride_bytes` apart, starting
@@ -175,7 +179,7 @@ struct BlockSums {
 };
 
 // C[i][j] += sum over steps [0, steps) of A_i B_j, for i < NA, j < NB: the one tile loop of both
-// layouts, whose Operands say where step s's tiles are (a(i, s, stride) and b_tile(j, s)).
+// layouts, whose Operands say where step s's tiles are (a(i, s, stride) and b_tile(j, s, stride)).
 template <int NA, int NB, class Operands>
 TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSums& sums) {
   const int64_t stride = sums.stride_bytes;
@@ -191,11 +195,11 @@ TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSu
     if (NA > 1 && NB > 1) _tile_zero(7);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    int64_t stride0 = 0, stride1 = 0;
+    int64_t stride0 = 0, stride1 = 0, stride2 = 0, stride3 = 0;
     _tile_loadd(0, operands.a(0, s, stride0), stride0);
     if (NA > 1) _tile_loadd(1, operands.a(1, s, stride1), stride1);
-    _tile_loadd(2, operands.b_tile(0, s), kTileBytes);
-    if (NB > 1) _tile_loadd(3, operands.b_tile(1, s), kTileBytes);
+    _tile_loadd(2, operands.b_tile(0, s, stride2), stride2);
+    if (NB > 1) _tile_loadd(3, operands.b_tile(1, s, stride3), stride3);
     _tile_dpbf16ps(4, 0, 2);
     if (NB > 1) _tile_dpbf16ps(5, 0, 3);
     if (NA > 1) _tile_dpbf16ps(6, 1, 2);
@@ -290,7 +294,10 @@ struct PackedRowsTimesChunk {
     stride_bytes = kTileBytes;
     return rows[(b + i) * steps + s_begin + s].pairs;
   }
-  const void* b_tile(int j, int64_t s) const { return chunk[s * tiles + t_o + j].pairs; }
+  const void* b_tile(int j, int64_t s, int64_t& stride_bytes) const {
+    stride_bytes = kTileBytes;
+    return chunk[s * tiles + t_o + j].pairs;
+  }
 };
 
 // [K, O] matrices: outputs [o_begin, o_end) of product p, whose token rows are packed as A tiles in
@@ -331,56 +338,213 @@ TUTEL_AMX void inner_by_outputs(const SkinnyProduct<bfloat16>& p, const PackedTi
   }
 }
 
+// [K, O] matrices of few token rows, read in place: B tiles straight from the matrix, without
+// interleaving its rows.  A B tile row of 32 matrix values W[k][o .. o + 32) pairs
+// (W[k][o + 2 n], W[k][o + 2 n + 1]) where the products want (W[k][c], W[k + 1][c]); so the token
+// rows come "spread" instead: A_even's row r holds (x[r][k], 0, x[r][k + 1], 0, ...) and A_odd's
+// (0, x[r][k], 0, x[r][k + 1], ...), and A_even B sums the even columns of the 32, A_odd B the odd
+// ones, 16 inner values per step.  That is twice the tile products of interleaving, which at up to
+// 32 token rows still run in the time the matrix takes to arrive; interleaving had to stream every
+// value through registers first (see inner_by_outputs).
+constexpr int64_t kSpreadStep = 16;  // inner values per spread step
+
+inline int64_t spread_steps(int64_t inner) { return (inner + kSpreadStep - 1) / kSpreadStep; }
+
+// Token rows [16 b, 16 b + 16) of `p` as spread A tiles: out[2 s] = A_even, out[2 s + 1] = A_odd
+// of step s; rows past p.rows and values past `inner` zero.
+TUTEL_AMX void pack_spread_rows(const SkinnyProduct<bfloat16>& p, int64_t block, int64_t inner, PackedTile* out) {
+  const int64_t first = block * kTileRows, count = std::min(kTileRows, p.rows - first);
+  for (int64_t s = 0; s < spread_steps(inner); ++s) {
+    const int64_t k = s * kSpreadStep;
+    const __mmask16 valid = __mmask16((uint32_t(1) << std::min(kSpreadStep, inner - k)) - 1u);
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      // bfloat16 x in the low half of each 32-bit lane (A_even), then in the high half (A_odd).
+      const __m512i even =
+          i < count ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p.x + (first + i) * p.x_stride + k))
+                    : _mm512_setzero_si512();
+      _mm512_store_si512(out[2 * s].pairs + i * kTileRows, even);
+      _mm512_store_si512(out[2 * s + 1].pairs + i * kTileRows, _mm512_slli_epi32(even, 16));
+    }
+  }
+}
+
+// The B tile of matrix rows [16 s, 16 s + 16) x columns [o, o + 32): the matrix itself where all
+// exist, else a copy with zeros in `spare` (16 x 32 values, 64-byte aligned); its row stride in
+// `stride_bytes`.
+TUTEL_AMX inline const void* matrix_tile(const SkinnyProduct<bfloat16>& p, int64_t inner, int64_t o_end, int64_t s,
+                                         int64_t o, bfloat16* spare, int64_t& stride_bytes) {
+  const int64_t k = s * kSpreadStep;
+  const int64_t rows = std::min(kSpreadStep, inner - k), columns = std::min(2 * kTileRows, o_end - o);
+  const bfloat16* at = p.w + k * p.w_stride + o;
+  if (rows == kSpreadStep && columns == 2 * kTileRows) {
+    stride_bytes = p.w_stride * int64_t(sizeof(bfloat16));
+    return at;
+  }
+  const __mmask32 valid = __mmask32((uint64_t(1) << columns) - 1u);
+  for (int64_t r = 0; r < kSpreadStep; ++r) {
+    const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(valid, at + r * p.w_stride) : _mm512_setzero_si512();
+    _mm512_store_si512(spare + r * 2 * kTileRows, v);
+  }
+  stride_bytes = kTileBytes;
+  return spare;
+}
+
+// Matrix rows are read this many steps (x 16) at a time across all of an item's columns, each
+// (token block, 64 columns) keeping its sums in tiles over the chunk and in memory between chunks.
+// Measured with 8 experts of [1024, 7168] / [3584, 1024] at 16 token rows, ms: 1 step (sums through
+// memory every step) 4.8 / 4.8, 4 steps 4.9 / 3.9, 8 steps 8.6 / 3.3 (64 rows read side by side
+// stream; 128 outrun the prefetchers), against 8.0 / 5.3 interleaving and 4.4 / 2.3 for the same
+// matrices as [O, K].
+constexpr int64_t kInPlaceChunkSteps = 4;
+
+// [K, O] matrices read in place: outputs [o_begin, o_end) of product p, whose token rows are
+// spread in `spread` (pack_spread_rows, block after block); `carried` holds 2 tiles per (token
+// block, 32 outputs) of scratch, `spare` 2 x 16 x 32 values.
+TUTEL_AMX void inner_by_outputs_in_place(const SkinnyProduct<bfloat16>& p, const PackedTile* spread, int64_t inner,
+                                         int64_t o_begin, int64_t o_end, bfloat16* spare, float* carried) {
+  constexpr int64_t kTile = kTileRows * kTileRows;
+  const int64_t steps = spread_steps(inner), blocks = (p.rows + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (o_end - o_begin + 2 * kTileRows - 1) / (2 * kTileRows);  // of 32 outputs
+  // Tiles 0-1: A_even, A_odd; 2-3: B of columns o, o + 32; 4-5 and 6-7: their even and odd sums.
+  // One pass even without inner values, so that the sums start from zero.
+  for (int64_t s_begin = 0; s_begin == 0 || s_begin < steps; s_begin += kInPlaceChunkSteps) {
+    const int64_t s_end = std::min(steps, s_begin + kInPlaceChunkSteps);
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t t = 0; t < tiles; t += 2) {
+        const int64_t o = o_begin + t * 2 * kTileRows;
+        const bool two = t + 1 < tiles;
+        float* const c = carried + (b * tiles + t) * 2 * kTile;  // even, odd sums of tile t, then of t + 1
+        if (s_begin == 0) {
+          _tile_zero(4);
+          _tile_zero(5);
+          if (two) _tile_zero(6);
+          if (two) _tile_zero(7);
+        } else {
+          _tile_loadd(4, c, kTileBytes);
+          _tile_loadd(5, c + kTile, kTileBytes);
+          if (two) _tile_loadd(6, c + 2 * kTile, kTileBytes);
+          if (two) _tile_loadd(7, c + 3 * kTile, kTileBytes);
+        }
+        for (int64_t s = s_begin; s < s_end; ++s) {
+          int64_t stride0 = 0, stride1 = 0;
+          _tile_loadd(0, spread[(b * steps + s) * 2].pairs, kTileBytes);
+          _tile_loadd(1, spread[(b * steps + s) * 2 + 1].pairs, kTileBytes);
+          _tile_loadd(2, matrix_tile(p, inner, o_end, s, o, spare, stride0), stride0);
+          if (two) _tile_loadd(3, matrix_tile(p, inner, o_end, s, o + 2 * kTileRows, spare + kSpreadStep * 2 * kTileRows, stride1),
+                                  stride1);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 1, 2);
+          if (two) _tile_dpbf16ps(6, 0, 3);
+          if (two) _tile_dpbf16ps(7, 1, 3);
+        }
+        _tile_stored(4, c, kTileBytes);
+        _tile_stored(5, c + kTile, kTileBytes);
+        if (two) _tile_stored(6, c + 2 * kTile, kTileBytes);
+        if (two) _tile_stored(7, c + 3 * kTile, kTileBytes);
+      }
+    }
+  }
+  // Output 2 n of a tile's 32 from lane n of its even sums, 2 n + 1 from lane n of the odd ones
+  // (index 16 + n of the pair).
+  alignas(64) static const int32_t kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rows = std::min(kTileRows, p.rows - b * kTileRows);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float* const c = carried + (b * tiles + t) * 2 * kTile;
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t first = o_begin + t * 2 * kTileRows + half * kTileRows, n = std::min(kTileRows, o_end - first);
+        if (n <= 0) continue;
+        const __m512 bias = load_bias(p.bias, first, n);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 lanes = _mm512_permutex2var_ps(_mm512_load_ps(c + r * kTileRows), half ? high : low,
+                                                      _mm512_load_ps(c + kTile + r * kTileRows));
+          store_outputs(p.y + (b * kTileRows + r) * p.y_stride + first, _mm512_add_ps(lanes, bias), n);
+        }
+      }
+    }
+  }
+}
+
+// How one product runs: [O, K] matrices as A tiles straight from memory (outputs_by_inner); [K, O]
+// matrices interleaved into B tiles (inner_by_outputs) or read in place (inner_by_outputs_in_place).
+enum class TileMode { kMatrixRowsAsA, kInterleaved, kInPlace };
+
+// [K, O] products of up to this many token rows (one block) read the matrix in place: with a
+// second block its tiles come from the cache a second time, through twice the tile products, and
+// interleaving caught up.  Measured on an Intel Xeon with AMX, 2 threads, each call after a 600 MB
+// read, ms in place / interleaved: 8 experts of [1024, 7168] at 9 / 12 / 16 rows 4.4 / 4.6 / 4.4
+// against 7.7 / 7.8 / 7.7, [3584, 1024] 2.9 / 3.0 / 3.9 against 3.9 / 4.0 / 4.4, 64 experts of
+// [512, 1024] 3.8 / 3.4 / 3.7 against 5.6 / 4.5 / 4.7, [1024, 256] 2.4 / 2.4 / 2.6 against 2.5 /
+// 2.6 / 2.7; at 20-24 rows 5.3 against 3.6-3.9 ([1024, 256]) and 7.8 against 6.6 ([1024, 3584]).
+constexpr int64_t kInPlaceMaxRows = 16;
+
+TileMode tile_mode(WeightLayout layout, int64_t rows) {
+  if (layout == WeightLayout::kOutputsByInner) return TileMode::kMatrixRowsAsA;
+  return rows <= kInPlaceMaxRows ? TileMode::kInPlace : TileMode::kInterleaved;
+}
+
+// Packed tiles per block of 16 token rows.
+int64_t tiles_per_block(TileMode mode, int64_t inner) {
+  return mode == TileMode::kInPlace ? 2 * spread_steps(inner) : (inner + kInnerStep - 1) / kInnerStep;
+}
+
 // Work items: (product, range of outputs).  [O, K] matrices: 64 outputs (their rows are read whole
 // whatever the range).  [K, O] matrices: the widest multiple of 32 outputs that still gives every
-// thread an item, so that their rows are read whole once there are as many products as threads,
-// up to 1024 outputs: wider items leave a chunk too few steps (kChunkTiles) and pass the sums
-// through memory after each.  Measured with 8 experts of Mixtral-like [1024, 3584] at 64 rows:
-// 11.6 ms with items 3584 wide (one step per chunk), 9.5 with 1024 (the GEMM 9.4); at 16 / 32 rows
-// 4.0 / 6.2 against 4.2 / 5.6.
+// thread an item among the `products` of the same mode, so that their rows are read whole once
+// there are as many products as threads; interleaved up to 1024 outputs: wider items leave a chunk
+// too few steps (kChunkTiles) and pass the sums through memory after each.  Measured with 8
+// experts of Mixtral-like [1024, 3584] at 64 rows: 11.6 ms with items 3584 wide (one step per
+// chunk), 9.5 with 1024 (the GEMM 9.4); at 16 / 32 rows 4.0 / 6.2 against 4.2 / 5.6.  In place,
+// whole rows stream best: [1024, 7168] at 16 rows 4.9 ms with items 7168 wide, 6.0 with 1024.
 constexpr int64_t kOutputsPerItem = 64;
-constexpr int64_t kMaxWideItemOutputs = 1024;
+constexpr int64_t kMaxInterleavedItemOutputs = 1024;
 
-int64_t outputs_per_item(WeightLayout layout, size_t products, int64_t outputs) {
-  if (layout == WeightLayout::kOutputsByInner) return kOutputsPerItem;
-  const int64_t per_product = std::max<int64_t>(1, (max_parallelism() + int64_t(products) - 1) / int64_t(products));
+int64_t outputs_per_item(TileMode mode, int64_t products, int64_t outputs) {
+  if (mode == TileMode::kMatrixRowsAsA) return kOutputsPerItem;
+  const int64_t per_product = std::max<int64_t>(1, (max_parallelism() + products - 1) / std::max<int64_t>(1, products));
   const int64_t width = (outputs + per_product - 1) / per_product;
-  const int64_t rounded = (width + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  return std::min(kMaxWideItemOutputs, std::max<int64_t>(2 * kTileRows, rounded));
+  const int64_t rounded = std::max<int64_t>(2 * kTileRows, (width + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows));
+  return mode == TileMode::kInterleaved ? std::min(kMaxInterleavedItemOutputs, rounded) : rounded;
 }
+
+struct TileItem {
+  int64_t product, o_begin, o_end;
+};
 
 struct TileWork {
   const std::vector<SkinnyProduct<bfloat16>>& products;
-  const std::vector<int64_t>& first_tile;  // per product: index of its first packed tile
+  const std::vector<TileMode>& modes;         // per product
+  const std::vector<int64_t>& first_tile;     // per product: index of its first packed tile
+  const std::vector<TileItem>& items;         // in the order the threads claim them
   const PackedTile* packed;
-  int64_t inner, outputs, width, items_per_product, max_rows;
-  WeightLayout layout;
+  int64_t inner, outputs;
+  size_t chunk_tiles, carried_tiles;  // [K, O] scratch per thread
 };
 
 // Runs the items this thread claims from `queue` until none is left.
 TUTEL_AMX void run_items(const TileWork& work, WorkQueue& queue) {
   load_tile_config();
-  const int64_t width = work.width, tiles = width / kTileRows;
   alignas(64) bfloat16 spare[2 * kTileRows * kInnerStep];
   // [K, O] scratch, kept per thread between calls (hundreds of KiB, faulted in once).
   static thread_local std::vector<PackedTile> chunk, carried;
-  if (work.layout == WeightLayout::kInnerByOutputs) {
-    const size_t carried_tiles = size_t((work.max_rows + kTileRows - 1) / kTileRows * tiles);
-    // An item's chunk holds chunk_steps(t) x t <= max(kChunkTiles, t) tiles for its t <= tiles.
-    const size_t chunk_tiles = size_t(std::max(kChunkTiles, tiles));
-    if (chunk.size() < chunk_tiles) chunk.resize(chunk_tiles);
-    if (carried.size() < carried_tiles) carried.resize(carried_tiles);
-  }
-  for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) {
-    const SkinnyProduct<bfloat16>& p = work.products[item / work.items_per_product];
-    const PackedTile* rows = work.packed + work.first_tile[item / work.items_per_product];
-    const int64_t o_begin = (item % work.items_per_product) * width;
-    const int64_t o_end = std::min(work.outputs, o_begin + width);
-    if (work.layout == WeightLayout::kOutputsByInner) {
-      outputs_by_inner(p, rows, work.inner, work.outputs, o_begin, o_end, spare);
-    } else {
-      inner_by_outputs(p, rows, work.inner, o_begin, o_end, chunk.data(),
-                       reinterpret_cast<float*>(carried.data()));
+  if (chunk.size() < work.chunk_tiles) chunk.resize(work.chunk_tiles);
+  if (carried.size() < work.carried_tiles) carried.resize(work.carried_tiles);
+  float* const sums = reinterpret_cast<float*>(carried.data());
+  for (int64_t claimed = queue.claim(); claimed >= 0; claimed = queue.claim()) {
+    const TileItem& item = work.items[size_t(claimed)];
+    const SkinnyProduct<bfloat16>& p = work.products[size_t(item.product)];
+    const PackedTile* rows = work.packed + work.first_tile[size_t(item.product)];
+    switch (work.modes[size_t(item.product)]) {
+      case TileMode::kMatrixRowsAsA:
+        outputs_by_inner(p, rows, work.inner, work.outputs, item.o_begin, item.o_end, spare);
+        break;
+      case TileMode::kInterleaved:
+        inner_by_outputs(p, rows, work.inner, item.o_begin, item.o_end, chunk.data(), sums);
+        break;
+      case TileMode::kInPlace:
+        inner_by_outputs_in_place(p, rows, work.inner, item.o_begin, item.o_end, spare, sums);
+        break;
     }
   }
   _tile_release();
@@ -403,14 +567,21 @@ bool tile_products_available() {
 void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs,
                    WeightLayout layout) {
   if (products.empty() || outputs <= 0) return;
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
+  std::vector<TileMode> modes;
+  std::vector<double> rows;
+  int64_t in_place = 0;
+  for (const SkinnyProduct<bfloat16>& p : products) {
+    modes.push_back(tile_mode(layout, p.rows));
+    rows.push_back(double(p.rows));
+    in_place += modes.back() == TileMode::kInPlace;
+  }
   // Every product's token rows packed once, up front, by every thread: (product, block of 16 rows).
   std::vector<int64_t> first_tile(products.size() + 1, 0);
   std::vector<std::pair<int64_t, int64_t>> blocks;
   for (size_t i = 0; i < products.size(); ++i) {
     const int64_t count = (products[i].rows + kTileRows - 1) / kTileRows;
     for (int64_t b = 0; b < count; ++b) blocks.push_back({int64_t(i), b});
-    first_tile[i + 1] = first_tile[i] + count * steps;
+    first_tile[i + 1] = first_tile[i] + count * tiles_per_block(modes[i], inner);
   }
   // Kept per calling thread between calls, as the grouped operator's other buffers are: as large
   // as the largest call's token rows.
@@ -420,21 +591,33 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [index, block] = blocks[i];
-      pack_rows(products[index], block, inner, layout, tiles + first_tile[index] + block * steps);
+      PackedTile* const out = tiles + first_tile[index] + block * tiles_per_block(modes[index], inner);
+      if (modes[index] == TileMode::kInPlace) pack_spread_rows(products[index], block, inner, out);
+      else pack_rows(products[index], block, inner, layout, out);
     }
   });
-  int64_t max_rows = 0;
-  std::vector<double> rows;
-  for (const SkinnyProduct<bfloat16>& p : products) {
-    max_rows = std::max(max_rows, p.rows);
-    rows.push_back(double(p.rows));
+  // The items, those of the products with the most rows first (an item's time follows its
+  // product's rows, which differ from expert to expert), each product's together; the threads
+  // claim them as they finish the last.  With them the [K, O] scratch the largest item needs:
+  // sums for each (token block, 16 outputs) and, interleaving, a chunk of the matrix.
+  std::vector<TileItem> items;
+  size_t chunk_tiles = 0, carried_tiles = 0;
+  for (int64_t g : longest_first(rows)) {
+    const TileMode mode = modes[size_t(g)];
+    const int64_t count = mode == TileMode::kInPlace ? in_place : int64_t(products.size()) - in_place;
+    const int64_t width = outputs_per_item(mode, count, outputs);
+    for (int64_t o = 0; o < outputs; o += width) items.push_back({g, o, std::min(outputs, o + width)});
+    if (mode == TileMode::kMatrixRowsAsA) continue;
+    const int64_t token_blocks = (products[size_t(g)].rows + kTileRows - 1) / kTileRows;
+    const int64_t output_tiles = (width + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
+    carried_tiles = std::max(carried_tiles, size_t(token_blocks * output_tiles));
+    // An interleaved item's chunk holds chunk_steps(t) x t <= max(kChunkTiles, t) tiles.
+    if (mode == TileMode::kInterleaved) chunk_tiles = std::max(chunk_tiles, size_t(std::max(kChunkTiles, output_tiles)));
   }
-  const int64_t width = outputs_per_item(layout, products.size(), outputs);
-  const int64_t items_per_product = (outputs + width - 1) / width;
-  const TileWork work{products, first_tile, tiles, inner, outputs, width, items_per_product, max_rows, layout};
-  // The threads claim items as they finish the last, those of the products with the most rows
-  // first: an item's time follows its product's rows, which differ from expert to expert.
-  WorkQueue queue(grouped_longest_first(rows, items_per_product));
+  const TileWork work{products, modes, first_tile, items, tiles, inner, outputs, chunk_tiles, carried_tiles};
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), int64_t(0));
+  WorkQueue queue(std::move(order));
   parallel_for(0, max_parallelism(), 1, [&](int64_t, int64_t) { run_items(work, queue); });
 }
 

@@ -1,7 +1,7 @@
 // AMX tile products (core/tile_gemm.h), both matrix layouts, against double sums: several products per call, odd row,
 // inner and output counts (partial tiles and steps of every kind), strides wider than the rows,
-// bias, no inner values; a token row's results alone and among others; NaN stores.  Skipped where
-// the CPU (or the operating system) gives no AMX tiles.
+// bias, no inner values; a token row's results alone and among others; NaN stores and where a NaN in
+// the matrix reaches.  Skipped where the CPU (or the operating system) gives no AMX tiles.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -84,15 +84,17 @@ const WeightLayout kLayouts[] = {WeightLayout::kOutputsByInner, WeightLayout::kI
 TEST(TileGemm, ProductsMatchDoubleSums) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(23);
-  // inner: one value, a step's tail, exact steps, several steps with a tail, none
+  // inner: one value, a step's tail (of 16 or 32 values), exact steps, a chunk of in-place steps and
+  // one past it, several steps with a tail, none
   // outputs: partial A tiles, exact tiles, a tile pair and a lone tile, several 64-output items
   for (WeightLayout layout : kLayouts) {
-    for (int64_t inner : {1, 2, 31, 32, 33, 100, 1029, 0}) {
+    for (int64_t inner : {1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 100, 1029, 0}) {
       for (int64_t outputs : {1, 15, 16, 17, 48, 65, 130, 300}) {
         for (bool with_bias : {false, true}) {
-          // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks
+          // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks; [K, O]
+          // matrices read in place (up to 32 rows) and interleaved (more) in the same call
           std::vector<Operands> operands;
-          for (int64_t rows : {1, 7, 16, 17, 33, 64, 70}) operands.emplace_back(layout, rows, inner, outputs, rng);
+          for (int64_t rows : {1, 7, 16, 17, 32, 33, 64, 70}) operands.emplace_back(layout, rows, inner, outputs, rng);
           std::vector<SkinnyProduct<bfloat16>> products;
           for (Operands& a : operands) products.push_back(a.product(with_bias));
           tile_products(products, inner, outputs, layout);
@@ -156,7 +158,9 @@ TEST(TileGemm, WideMatricesSplitIntoItems) {
 }
 
 // Each token row's sums run the same steps in the same order whichever block of 16 it sits in, so
-// a row computed alone gives the bits it gives among 40 others.
+// a row computed alone gives the bits it gives among 40 others; for [K, O] matrices also across
+// the two ways of reading them (alone in place, among 40 interleaved): both add the products in
+// inner order, the spread rows' zeros adding nothing.
 TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(5);
@@ -188,6 +192,31 @@ TEST(TileGemm, NanStoresMatchScalarStores) {
     for (int64_t o = 0; o < a.outputs; ++o) {
       EXPECT_EQ(bits_of(a.y[1 * a.y_stride + o]), bits_of(nan)) << "output " << o;
       EXPECT_FALSE(std::isnan(value(a.y[o]))) << "output " << o << " of a row without NaN";
+    }
+  }
+}
+
+// A NaN in the matrix makes its output NaN in every token row and leaves every other output finite,
+// except (for [K, O] matrices read in place, up to 16 token rows) the other output of its pair,
+// 2 n and 2 n + 1, which the spread token rows multiply by zero: NaN too.
+TEST(TileGemm, NanInTheMatrixReachesOnlyItsOutputAndItsPair) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(13);
+  const bfloat16 nan = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
+  for (WeightLayout layout : kLayouts) {
+    for (int64_t rows : {3, 16, 40}) {  // [K, O]: in place, in place, interleaved
+      Operands a(layout, rows, 40, 70, rng);
+      const int64_t column = 37, k = 11;
+      (a.by_inner() ? a.w[column * a.w_stride + k] : a.w[k * a.w_stride + column]) = nan;
+      a.run_alone(true);
+      const bool pair_too = !a.by_inner() && rows <= 16;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t o = 0; o < a.outputs; ++o) {
+          const bool nan_expected = o == column || (pair_too && o == (column ^ 1));
+          EXPECT_EQ(std::isnan(value(a.y[r * a.y_stride + o])), nan_expected)
+              << (a.by_inner() ? "[O, K]" : "[K, O]") << " rows " << rows << " at (" << r << ", " << o << ")";
+        }
+      }
     }
   }
 }
