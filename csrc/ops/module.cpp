@@ -6,6 +6,7 @@ namespace tutel {
 namespace ops {
 void register_buffer_functions(pybind11::module_& m);  // ops/cpu/reusable_buffers.cpp
 void register_routed_experts_function(pybind11::module_& m);  // ops/cpu/routed_experts_cpu.cpp
+void register_routing_function(pybind11::module_& m);          // ops/cpu/routing_cpu.cpp
 }  // namespace ops
 }  // namespace tutel
 
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tutel compiled operators (registered under torch.ops.tutel)";
   tutel::ops::register_buffer_functions(m);
   tutel::ops::register_routed_experts_function(m);
+  tutel::ops::register_routing_function(m);
 #ifdef TUTEL_WITH_CUDA
   m.attr("with_cuda") = true;
   tutel::ops::cuda_ops::register_python_functions(m);

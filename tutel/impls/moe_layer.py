@@ -12,7 +12,7 @@ from ..collectives import get_world_size
 from ..experts import run_grouped_experts, supports_grouped
 from ..experts.shared import pop_shared_experts
 from ..ops.checks import require_finite_number, require_int, require_tensor, require_top_k
-from . import losses
+from . import inference_path, losses
 from .autocast import autocast_dtype, without_autocast
 from .capacity import capacity_alignment, expert_capacity
 from .call_agreement import agree_on_call
@@ -223,12 +223,34 @@ class MOELayer(torch.nn.Module):
         where = "moe_layer.forward"
         call = self._call_settings(input, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree,
                                    reserve_dims, adaptive_r, megablocks_size, where)
-        gate, overlap, adaptive_r, megablocks_size = call.gate, call.overlap, call.adaptive_r, call.megablocks_size
+        gate, overlap, megablocks_size = call.gate, call.overlap, call.megablocks_size
         original_shape, original_dtype = input.shape, input.dtype
         reserve_shape = original_shape[-reserve_dims:]
 
         x = input.reshape(-1, self.model_dim)
         x = x.to(self._compute_dtype(x))
+        self.megablocks_size = megablocks_size
+        fast = None
+        if inference_path.covers(self, x, gate, call.capacity_factor, megablocks_size, reserve_dims):
+            fast = inference_path.forward_without_grad(self, x, gate, call.top_k, call.capacity_factor, overlap,
+                                                       megablocks_size)
+        if fast is not None:
+            y, l_aux = fast.output, fast.l_aux
+            self.dispatch_count = self.local_dispatch_count = fast.dispatch_count
+        else:
+            y, l_aux = self._route_and_run_experts(input, x, gate, call, reserve_shape, inequivalent_tokens)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+
+        output_shape = list(original_shape[:-reserve_dims]) + list(self.protected_shape[-reserve_dims:])
+        output = y.view(output_shape).to(original_dtype)
+        output.l_aux = self.l_aux = l_aux
+        return self.result_func(output) if self.result_func is not None else output
+
+    def _route_and_run_experts(self, input, x, gate, call, reserve_shape, inequivalent_tokens):
+        """The general forward's routing and experts: (y [T, O], l_aux)."""
+        overlap, adaptive_r, megablocks_size = call.overlap, call.adaptive_r, call.megablocks_size
+        reserve_dims = len(reserve_shape)
         # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
         sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
         with without_autocast(x.device.type):
@@ -237,7 +259,6 @@ class MOELayer(torch.nn.Module):
 
         if self.world_size > 1:
             crit = crit._replace(capacity=agree_on_call(self.group, x.device, crit.capacity, overlap, adaptive_r))
-        self.megablocks_size = megablocks_size
         self.dispatch_count = get_dispatch_count(crit)
         self.local_dispatch_count = self.dispatch_count
         with self._per_call(adaptive_degree=adaptive_r, a2a_ffn_overlap_degree=overlap):
@@ -249,13 +270,7 @@ class MOELayer(torch.nn.Module):
                 y = fast_encode(x, crit, self.is_postscore)
                 y = self._run_experts(y, reserve_shape, overlap, adaptive_r)
                 y = fast_decode(y, crit, self.is_postscore)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-
-        output_shape = list(original_shape[:-reserve_dims]) + list(self.protected_shape[-reserve_dims:])
-        output = y.view(output_shape).to(original_dtype)
-        output.l_aux = self.l_aux = l_aux
-        return self.result_func(output) if self.result_func is not None else output
+        return y, l_aux
 
     def _call_settings(self, input, gate_index, capacity_factor, top_k, overlap, reserve_dims, adaptive_r,
                        megablocks_size, where) -> "CallSettings":
