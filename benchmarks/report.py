@@ -130,6 +130,15 @@ def target_rows(results: Dict[str, dict]) -> List[dict]:
                 worst = max(limited, key=lambda row: row["tutel/limit"])
                 add(f"{dtype}: tutel / machine limit, {label}", worst["tutel/limit"], TARGETS["tutel/limit"],
                     detail=where(worst))
+        # moe_layer routes too: against the block's router + best backend where that pair was timed
+        # (forward, up to 128 tokens), else against the experts alone (routing a negligible share)
+        def against_layer(row):
+            return row.get("best_block/moe_layer") or row["best_transformers/moe_layer"]
+        layer_rows = [row for row in rows_of if row.get("best_transformers/moe_layer")]
+        if layer_rows:
+            worst = min(layer_rows, key=against_layer)
+            add(f"{dtype}: transformers (block to T = 128, experts above) / moe_layer, every case",
+                against_layer(worst), TARGETS["best_transformers/tutel"], at_most=False, detail=where(worst))
     return rows
 
 
@@ -368,7 +377,10 @@ transformers' experts backends (`batched_mm` only where its per-choice weight co
 *tutel*: tutel's experts implementation (`tutel.experts.routed_experts`).  *moe_layer*: tutel's
 `moe_layer` holding the same weights (llama_ffn experts, `capacity_factor=0, megablocks_size=1`);
 it runs its own top-k softmax router, so its time includes routing (not for gpt-oss, whose gate
-llama_ffn cannot express).  *limit*: the larger of the compute limit (FLOPs of the routed pairs,
+llama_ffn cannot express).  So up to T = 128 in the forward pass, where routing is a visible share
+of a call, a second interleaved pair times it against *block*: the block's own router and then the
+experts under that case's best backend, in one call (*best_block/moe_layer*; DeepSeek-V3's grouped,
+biased router does more than the layer's, and neither runs the shared experts).  *limit*: the larger of the compute limit (FLOPs of the routed pairs,
 x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype) and the
 bandwidth limit (bytes of the distinct experts' weights at the read bandwidth of a buffer 8x the
 last-level cache), both rates measured as two more candidates interleaved with the others in every

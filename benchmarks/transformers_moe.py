@@ -6,7 +6,11 @@ backends ('eager', 'grouped_mm', 'batched_mm' where its gathered weights fit in 
 under tutel ('tutel': the registered experts implementation), all on the same routing, which
 the block's own router computes once.  'moe_layer' is tutel's moe_layer holding the same
 weights (llama_ffn experts, dropless: capacity_factor 0, megablocks_size 1); it runs its own
-router (a softmax top-k like the family's), so its time includes routing.
+router (a softmax top-k like the family's), so its time includes routing.  So for forward cases up
+to BLOCK_MAX_TOKENS tokens, where routing is a visible part of a call, a second interleaved pair of
+candidates compares it with the transformers block's own router followed by the experts under the
+case's best backend in one call ('block'): 'best_block/moe_layer'.  (DeepSeek-V3's router, grouped
+and biased, does more than the layer's; its shared experts run in neither.)
 
 Limits measured in the same run, as two more candidates interleaved with the others so that they
 see the same load (see _limits.py): compute = the FLOPs of the routed (token, expert) pairs at
@@ -41,6 +45,7 @@ SMOKE_FORWARD_TOKENS, SMOKE_TRAIN_TOKENS = (5,), (7,)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BATCHED_MM_MAX_BYTES = 2 << 30  # batched_mm gathers one weight copy per (token, expert) pair
 SECONDS_PER_CASE = 6.0  # the repetitions of a case are cut to about this much time
+BLOCK_MAX_TOKENS = 128  # forward cases that also time the block (router + experts) against moe_layer
 
 
 def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
@@ -54,6 +59,16 @@ def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
         else:
             with torch.no_grad():
                 layer(x, capacity_factor=0.0, megablocks_size=1)
+    return run
+
+
+def _block_call(block, backend: str, x) -> Callable[[], None]:
+    """The transformers block's router and its experts under `backend`, without autograd, in one call."""
+    def run():
+        with torch.no_grad():
+            indices, weights = block.router(x)
+            block.config._experts_implementation = backend
+            block.experts(x, indices, weights)
     return run
 
 
@@ -120,6 +135,12 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     if layer is not None:
         row["best_transformers/moe_layer"] = times[best] / times["moe_layer"]
         row["moe_layer/limit"] = times["moe_layer"] * 1e3 / row["limit_ms"]
+        if not train and tokens <= BLOCK_MAX_TOKENS:
+            pair = {"block": synchronized(_block_call(block, best, x), device), "moe_layer": candidates["moe_layer"]}
+            pair_times = interleaved_medians(pair, reps, warmup=1 if reps > 1 else 0,
+                                             before_each=cache_reset(smoke, device))
+            row["block_ms"] = pair_times["block"] * 1e3
+            row["best_block/moe_layer"] = pair_times["block"] / pair_times["moe_layer"]
     row["tutel_vs_eager"] = error
     row["foreign_cpus"] = times.foreign_cpus
     row["pass"] = row.pop("pass_")
@@ -128,8 +149,8 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
 
 COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "grouped_mm_ms", "batched_mm_ms", "tutel_ms",
            "moe_layer_ms", "limit_ms", "tutel/limit", "best_transformers", "best_transformers/tutel",
-           "moe_layer/limit", "best_transformers/moe_layer", "tutel_vs_eager", "gemm_gflops", "read_gbps",
-           "foreign_cpus"]
+           "moe_layer/limit", "best_transformers/moe_layer", "block_ms", "best_block/moe_layer", "tutel_vs_eager",
+           "gemm_gflops", "read_gbps", "foreign_cpus"]
 
 
 def lscpu_model() -> Optional[str]:
