@@ -343,9 +343,9 @@ TUTEL_AMX void inner_by_outputs(const SkinnyProduct<bfloat16>& p, const PackedTi
 // (W[k][o + 2 n], W[k][o + 2 n + 1]) where the products want (W[k][c], W[k + 1][c]); so the token
 // rows come "spread" instead: A_even's row r holds (x[r][k], 0, x[r][k + 1], 0, ...) and A_odd's
 // (0, x[r][k], 0, x[r][k + 1], ...), and A_even B sums the even columns of the 32, A_odd B the odd
-// ones, 16 inner values per step.  That is twice the tile products of interleaving, which at up to
-// 32 token rows still run in the time the matrix takes to arrive; interleaving had to stream every
-// value through registers first (see inner_by_outputs).
+// ones, 16 inner values per step.  That is twice the tile products of interleaving, which for one
+// block of 16 token rows still run in the time the matrix takes to arrive; interleaving had to
+// stream every value through registers first (see inner_by_outputs).
 constexpr int64_t kSpreadStep = 16;  // inner values per spread step
 
 inline int64_t spread_steps(int64_t inner) { return (inner + kSpreadStep - 1) / kSpreadStep; }
@@ -430,8 +430,11 @@ TUTEL_AMX void inner_by_outputs_in_place(const SkinnyProduct<bfloat16>& p, const
           _tile_loadd(0, spread[(b * steps + s) * 2].pairs, kTileBytes);
           _tile_loadd(1, spread[(b * steps + s) * 2 + 1].pairs, kTileBytes);
           _tile_loadd(2, matrix_tile(p, inner, o_end, s, o, spare, stride0), stride0);
-          if (two) _tile_loadd(3, matrix_tile(p, inner, o_end, s, o + 2 * kTileRows, spare + kSpreadStep * 2 * kTileRows, stride1),
-                                  stride1);
+          if (two) {
+            const void* next = matrix_tile(p, inner, o_end, s, o + 2 * kTileRows, spare + kSpreadStep * 2 * kTileRows,
+                                           stride1);
+            _tile_loadd(3, next, stride1);
+          }
           _tile_dpbf16ps(4, 0, 2);
           _tile_dpbf16ps(5, 1, 2);
           if (two) _tile_dpbf16ps(6, 0, 3);
@@ -504,7 +507,8 @@ int64_t outputs_per_item(TileMode mode, int64_t products, int64_t outputs) {
   if (mode == TileMode::kMatrixRowsAsA) return kOutputsPerItem;
   const int64_t per_product = std::max<int64_t>(1, (max_parallelism() + products - 1) / std::max<int64_t>(1, products));
   const int64_t width = (outputs + per_product - 1) / per_product;
-  const int64_t rounded = std::max<int64_t>(2 * kTileRows, (width + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows));
+  const int64_t pairs = (width + 2 * kTileRows - 1) / (2 * kTileRows);  // of 16-output tiles
+  const int64_t rounded = std::max<int64_t>(1, pairs) * 2 * kTileRows;
   return mode == TileMode::kInterleaved ? std::min(kMaxInterleavedItemOutputs, rounded) : rounded;
 }
 
@@ -612,7 +616,8 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
     const int64_t output_tiles = (width + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
     carried_tiles = std::max(carried_tiles, size_t(token_blocks * output_tiles));
     // An interleaved item's chunk holds chunk_steps(t) x t <= max(kChunkTiles, t) tiles.
-    if (mode == TileMode::kInterleaved) chunk_tiles = std::max(chunk_tiles, size_t(std::max(kChunkTiles, output_tiles)));
+    if (mode == TileMode::kInterleaved)
+      chunk_tiles = std::max(chunk_tiles, size_t(std::max(kChunkTiles, output_tiles)));
   }
   const TileWork work{products, modes, first_tile, items, tiles, inner, outputs, chunk_tiles, carried_tiles};
   std::vector<int64_t> order(items.size());
