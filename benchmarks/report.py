@@ -401,12 +401,14 @@ keep such lines out of L2 and read at a third of the rate: Qwen3-like T = 1 6.3 
 on an Intel Xeon, 2.5 without, so it is not given there).  The skinny products have an AVX2 and
 an AVX-512 build: with AVX-512 (register blocks of 4 x 4 for `[O, K]` weights, strips with the sums
 in registers for `[K, O]`, bf16 on AVX512-BF16's dot products) they keep up with PyTorch's AVX-512
-GEMM to 32 rows per expert in float32 and, beside AMX, to 6-8 in bfloat16; the AVX2 build hands
+GEMM to 32 rows per expert in float32 and, beside AMX, to 6 in bfloat16; the AVX2 build hands
 over at 9 and 5 rows on such a CPU.  Past that line, bfloat16 groups run tutel's AMX tile products
 where the CPU has AMX (to 256 rows of `[O, K]` weights, 64 of `[K, O]`): PyTorch's AMX GEMM
 repacks each expert's whole matrix for every product, while the tile products take `[O, K]`
-weights as they lie in memory and interleave `[K, O]` ones as they stream (docs/design.md, "Tile
-products"); bf16 T = 128 in A/B calls, tiles against none: Qwen3-like 19.7 against 32.8 ms,
+weights as they lie in memory, read `[K, O]` ones of up to 16 token rows in place too (the token
+rows spread over alternate lanes to match the matrix's own pairs: 8 experts of [1024, 7168] at
+9-16 rows 4.4-4.6 ms against 7.7-7.8 interleaved) and interleave larger ones as they stream
+(docs/design.md, "Tile products"); bf16 T = 128 in A/B calls, tiles against none: Qwen3-like 19.7 against 32.8 ms,
 gpt-oss-like 24.1 against 30.4, DeepSeek-like 9.3 against 13.0.  Measured on an Intel Xeon in A/B runs of this benchmark (two
 each, tutel ms before -> after): float32 T = 128 Qwen3-like 39.5 -> 27.5 and 40.6 -> 35.3,
 DeepSeek-like 25.0 -> 14.5 and 29.2 -> 16.5, gpt-oss-like (`[K, O]`) 40.7 -> 29.3 and 43.1 ->
@@ -425,7 +427,10 @@ same call took 0.8-1.25x of it (below 1 where the prefetched streams read faster
 plain sum). `moe_layer` in inference runs the same operator (llama_ffn's SwiGLU experts, gate and up as
 two matrices) and adds its routing and auxiliary loss, about 20 small operations at T = 1: timed
 inside one Qwen3-like call after a 256 MiB read (Zen 3, before the one-call operator), routing
-0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). At T >=
+0.76 ms (gate 0.12, top-k 0.12, GShard loss 0.16, capacity and checks the rest). Where nothing is
+differentiated those now run as one C++ pass after the gate and the softmax (docs/design.md,
+"moe_layer inference in two calls"; cold one-token calls on the Xeon, interleaved: Qwen3-like bf16
+3.13 -> 2.29 ms, DeepSeek-like 2.12 -> 1.48). At T >=
 2048 both sides run PyTorch's GEMM per expert (tutel's bf16 groups of up to 256 / 64 rows its AMX
 tile products), which takes 80-90% of either side's time. tutel runs
 each expert's product single-threaded, the threads claiming the products one at a time as they
