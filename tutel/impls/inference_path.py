@@ -7,8 +7,8 @@ normalizes the gates and computes the GShard loss in a dozen small PyTorch opera
 rebuilds [k, T] tables from the lists for the experts.  Decoding one token, with the caches cold
 after the other layers' weights streamed through them, those calls and the Python around them took
 0.6 of the 1.9 ms of a DeepSeek-like bfloat16 layer.  Here the same steps run in C++ with the same
-rounding (tutel/ops: csrc/ops/cpu/routing_cpu.cpp); every call this path does not cover returns
-None and takes the general forward.
+rounding (csrc/ops/cpu/routing_cpu.cpp); every call this path does not cover takes the general
+forward.
 """
 from typing import NamedTuple, Optional
 
