@@ -1,4 +1,5 @@
-// CPU implementations of route_topk, assign_locations and group_by_expert.
+// CPU implementations of route_topk, assign_locations and group_by_expert, and the routing of
+// moe_layer's forward without autograd (tutel._C.route_without_grad).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -6,7 +7,6 @@
 #include <torch/library.h>
 
 #include <limits>
-
 #include <tuple>
 #include <vector>
 
@@ -109,10 +109,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_
                        sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   return {locations, slot_choices, sorted_ids, counts, ends};
 }
-
-}  // namespace
-
-namespace {
 
 // The steps of moe_layer's default routing after the softmax (tutel.impls.fast_dispatch's
 // extract_critical with the GShard loss, then the dropped choices' ids) in one pass over plain
