@@ -380,8 +380,8 @@ it runs its own top-k softmax router, so its time includes routing (not for gpt-
 llama_ffn cannot express).  So up to T = 128 in the forward pass, where routing is a visible share
 of a call, a second interleaved pair times it against *block*: the block's own router and then the
 experts under that case's best backend, in one call (*best_block/moe_layer*; DeepSeek-V3's grouped,
-biased router does more than the layer's, and neither runs the shared experts).  *limit*: the larger of the compute limit (FLOPs of the routed pairs,
-x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype) and the
+biased router does more than the layer's, and neither runs the shared experts).  *limit*: the
+larger of the compute limit (FLOPs of the routed pairs, x3 for forward + backward, at the GEMM rate of a large `F.linear` in the same dtype) and the
 bandwidth limit (bytes of the distinct experts' weights at the read bandwidth of a buffer 8x the
 last-level cache), both rates measured as two more candidates interleaved with the others in every
 case, so that they see the same load (*gemm_gflops*, *read_gbps*).  Every timed call, the probes' too,

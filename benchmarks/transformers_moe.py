@@ -112,7 +112,8 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     probes = LimitProbes(dtype, smoke, device)
     candidates.update(probes.candidates())
     reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps), seconds)
-    times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0, before_each=cache_reset(smoke, device))
+    reset = cache_reset(smoke, device)  # its buffer is twice the last-level cache: made once per case
+    times = interleaved_medians(candidates, reps, warmup=1 if reps > 1 else 0, before_each=reset)
     rates = probes.rates(times)  # the machine's rates during this case, under the same load
     error = _relative_error_to_eager(block, ours, x, indices, weights)
     flops = tokens * k * experts_flops_per_choice(block.experts) * (3 if train else 1)
@@ -137,8 +138,7 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
         row["moe_layer/limit"] = times["moe_layer"] * 1e3 / row["limit_ms"]
         if not train and tokens <= BLOCK_MAX_TOKENS:
             pair = {"block": synchronized(_block_call(block, best, x), device), "moe_layer": candidates["moe_layer"]}
-            pair_times = interleaved_medians(pair, reps, warmup=1 if reps > 1 else 0,
-                                             before_each=cache_reset(smoke, device))
+            pair_times = interleaved_medians(pair, reps, warmup=1 if reps > 1 else 0, before_each=reset)
             row["block_ms"] = pair_times["block"] * 1e3
             row["best_block/moe_layer"] = pair_times["block"] / pair_times["moe_layer"]
     row["tutel_vs_eager"] = error
