@@ -38,6 +38,16 @@ TUTEL_AVX512 inline void store16(T* p, __m512 v) {
   avx2::Lanes<T>::store(p + 8, _mm512_extractf32x8_ps(v, 1));
 }
 
+// bfloat16 stores in one 512-bit pass, rounded as avx2::Lanes<bfloat16>::store rounds (to nearest
+// even, NaN as 0x7fc0): the same bits, without splitting the register in halves.
+TUTEL_AVX512 inline void store16(bfloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+
 }  // namespace avx512
 }  // namespace core
 }  // namespace tutel

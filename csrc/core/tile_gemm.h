@@ -8,7 +8,9 @@
 //
 // - [O, K] matrices (F.linear's layout): the matrix serves as A straight from memory.  The
 //   products compute y^T = W x^T, repack only the token rows (x, small beside W) and transpose
-//   the 16 x 16 blocks of sums on their way out.
+//   the 16 x 16 blocks of sums on their way out.  From 128 token rows each work item packs its
+//   matrix rows as B tiles once instead, the token rows are A tiles and the sums come out as
+//   token rows.
 // - [K, O] matrices (x @ W): the token rows serve as A (copied once into tiles).  Up to 16 token
 //   rows the matrix serves as B straight from memory, its rows' neighbouring values taken as the
 //   pairs and the token rows spread over alternate lanes to match (twice the tile products, no

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/tile_gemm.h"
@@ -92,9 +93,32 @@ TEST(TileGemm, ProductsMatchDoubleSums) {
       for (int64_t outputs : {1, 15, 16, 17, 48, 65, 130, 300}) {
         for (bool with_bias : {false, true}) {
           // one to several blocks of 16 token rows, pairs and lone blocks, partial blocks; [K, O]
-          // matrices read in place (up to 32 rows) and interleaved (more) in the same call
+          // matrices read in place (up to 16 rows) and interleaved (more), [O, K] ones read in place
+          // (up to 127 rows) and packed (from 128) in the same call
           std::vector<Operands> operands;
-          for (int64_t rows : {1, 7, 16, 17, 32, 33, 64, 70}) operands.emplace_back(layout, rows, inner, outputs, rng);
+          for (int64_t rows : {1, 7, 16, 17, 32, 33, 64, 70, 128})
+            operands.emplace_back(layout, rows, inner, outputs, rng);
+          std::vector<SkinnyProduct<bfloat16>> products;
+          for (Operands& a : operands) products.push_back(a.product(with_bias));
+          tile_products(products, inner, outputs, layout);
+          for (const Operands& a : operands) expect_double_sums(a, with_bias);
+        }
+      }
+    }
+  }
+}
+
+// Many token rows: [O, K] matrices packed, past 256 rows in two spans of rows, the last one partial;
+// beside them a product of few rows in the same call.
+TEST(TileGemm, ManyRowsMatchDoubleSums) {
+  if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
+  std::mt19937 rng(29);
+  for (WeightLayout layout : kLayouts) {
+    for (int64_t inner : {17, 65, 100}) {
+      for (int64_t outputs : {17, 48, 130}) {
+        for (bool with_bias : {false, true}) {
+          std::vector<Operands> operands;
+          for (int64_t rows : {145, 300, 5}) operands.emplace_back(layout, rows, inner, outputs, rng);
           std::vector<SkinnyProduct<bfloat16>> products;
           for (Operands& a : operands) products.push_back(a.product(with_bias));
           tile_products(products, inner, outputs, layout);
@@ -131,8 +155,8 @@ TEST(TileGemm, ReadsNothingPastTheOperands) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(31);
   for (WeightLayout layout : kLayouts) {
-    for (int64_t outputs : {17, 40}) {
-      Operands a(layout, 19, 45, outputs, rng);
+    for (auto [rows, outputs] : {std::pair<int64_t, int64_t>{19, 17}, {19, 40}, {130, 17}, {130, 40}}) {
+      Operands a(layout, rows, 45, outputs, rng);
       a.trim_matrix();
       a.x.resize((a.rows - 1) * a.x_stride + a.inner);
       const GuardedValues w(a.w), x(a.x);
@@ -158,23 +182,26 @@ TEST(TileGemm, WideMatricesSplitIntoItems) {
 }
 
 // Each token row's sums run the same steps in the same order whichever block of 16 it sits in, so
-// a row computed alone gives the bits it gives among 40 others; for [K, O] matrices also across
-// the two ways of reading them (alone in place, among 40 interleaved): both add the products in
-// inner order, the spread rows' zeros adding nothing.
+// a row computed alone gives the bits it gives among 40 or 140 others, across the two ways of
+// reading each layout: [K, O] alone in place, among others interleaved (the spread rows' zeros add
+// nothing); [O, K] alone in place, among 140 packed (the matrix as B tiles instead of A).
 TEST(TileGemm, RowAloneMatchesRowAmongOthersBitwise) {
   if (skip_without_tiles()) GTEST_SKIP() << "this CPU or OS gives no AMX tiles";
   std::mt19937 rng(5);
   for (WeightLayout layout : kLayouts) {
-    Operands many(layout, 41, 300, 70, rng);
-    many.run_alone(true);
-    for (int64_t r : {0, 15, 16, 33, 40}) {
-      Operands alone(layout, 1, many.inner, many.outputs, rng);
-      alone.w = many.w;
-      alone.bias = many.bias;
-      for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
-      alone.run_alone(true);
-      for (int64_t o = 0; o < many.outputs; ++o)
-        ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o])) << "row " << r << " output " << o;
+    for (int64_t count : {41, 141}) {
+      Operands many(layout, count, 300, 70, rng);
+      many.run_alone(true);
+      for (int64_t r : {int64_t(0), int64_t(15), int64_t(16), int64_t(33), count - 1}) {
+        Operands alone(layout, 1, many.inner, many.outputs, rng);
+        alone.w = many.w;
+        alone.bias = many.bias;
+        for (int64_t k = 0; k < many.inner; ++k) alone.x[k] = many.x[r * many.x_stride + k];
+        alone.run_alone(true);
+        for (int64_t o = 0; o < many.outputs; ++o)
+          ASSERT_EQ(bits_of(alone.y[o]), bits_of(many.y[r * many.y_stride + o]))
+              << "rows " << count << ", row " << r << " output " << o;
+      }
     }
   }
 }
@@ -204,7 +231,7 @@ TEST(TileGemm, NanInTheMatrixReachesOnlyItsOutputAndItsPair) {
   std::mt19937 rng(13);
   const bfloat16 nan = Scalar<bfloat16>::store(std::numeric_limits<float>::quiet_NaN());
   for (WeightLayout layout : kLayouts) {
-    for (int64_t rows : {3, 16, 40}) {  // [K, O]: in place, in place, interleaved
+    for (int64_t rows : {3, 16, 40, 140}) {  // [K, O]: in place, in place, interleaved; [O, K] packed from 128
       Operands a(layout, rows, 40, 70, rng);
       const int64_t column = 37, k = 11;
       (a.by_inner() ? a.w[column * a.w_stride + k] : a.w[k * a.w_stride + column]) = nan;
