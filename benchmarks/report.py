@@ -405,7 +405,8 @@ GEMM to 32 rows per expert in float32 and, beside AMX, to 6 in bfloat16; the AVX
 over at 9 and 5 rows on such a CPU.  Past that line, bfloat16 groups run tutel's AMX tile products
 where the CPU has AMX (to 256 rows of `[O, K]` weights, 64 of `[K, O]`): PyTorch's AMX GEMM
 repacks each expert's whole matrix for every product, while the tile products take `[O, K]`
-weights as they lie in memory, read `[K, O]` ones of up to 16 token rows in place too (the token
+weights as they lie in memory (from 128 rows each work item packs its 64 matrix rows once, so
+that the sums come out as token rows), read `[K, O]` ones of up to 16 token rows in place too (the token
 rows spread over alternate lanes to match the matrix's own pairs: 8 experts of [1024, 7168] at
 9-16 rows 4.4-4.6 ms against 7.7-7.8 interleaved) and interleave larger ones as they stream
 (docs/design.md, "Tile products"); bf16 T = 128 in A/B calls, tiles against none: Qwen3-like 19.7 against 32.8 ms,
