@@ -314,6 +314,43 @@ TARGETS_NOTE = """*measured* is timed with freed memory kept for reuse, as a cac
 """
 
 
+# Why the transformers targets that miss do, as measured (docs/design.md holds the A/B runs).
+MISSED_TARGETS_NOTE = """### Why the transformers targets that miss do, as measured
+
+- *best transformers / tutel* (float32): in the cases below 1.2 tutel runs at or near the machine's
+  limit and transformers' best backend close behind it: at T >= 2048 both run one MKL GEMM per
+  expert of 256-2048 rows, the limit probe's own operation (Mixtral-like: tutel/limit about 1.0),
+  and the full-size layers at T = 1 stream their weights at or above the read probe's rate
+  (tutel/limit 0.7-0.9). 1.2 there would need tutel to beat the machine's GEMM rate or read
+  bandwidth; nothing on this side closes it on this CPU.
+- *tutel / limit, T >= 2048*: the limit is one GEMM of 4096 rows; tutel runs each expert's
+  products of about 256 rows single-threaded (DeepSeek-like: 256 x 1024 x 512 and 256 x 256 x 1024),
+  below the large GEMM's rate, plus the rows' gather, the gated unit and the weighted sum (10-15% of
+  a call). In bfloat16 the AMX tile products and PyTorch's AMX GEMM both reach 0.5-0.8 TFLOP/s per
+  thread against the unit's 2 here, waiting on memory: the packing of the matrix and token rows
+  (read from L3 or memory before any tile product runs) takes about a third of a product
+  (docs/design.md, "Tile products"); the weight gradient of training runs PyTorch's GEMM. The
+  ratio also moves with the probe, which read 550-1500 GFLOP/s in bfloat16 across runs. What would
+  close it: packing overlapped with the tile products, tile products for the weight gradient.
+- *tutel / limit, T <= 16*: at one token the scaled layers read 12-90 MB of weights, 0.6-4 ms at
+  the probe's rate, so fixed costs weigh: transformers' own dispatch to the experts implementation
+  (about 85 us with cold caches), the call's routing and grouping, and 8-16 separate weight
+  streams of 0.5-30 MB that start cold and read slower than the probe's one long stream
+  (DeepSeek-like bfloat16, the worst: a cold contiguous read of the same 12.6 MB took 0.75 ms
+  against the probe's 0.58). At the published layer shapes (the full-size table) the same calls
+  take 0.7-1.0x the limit. Mixtral-like bfloat16 at T = 16 (2-8 rows per expert of 22 MB) streams
+  its matrices at 14-16 GB/s against the probe's 20. What would close it: each expert's two
+  products back to back with the next expert's weights prefetched, fewer fixed costs per call, and
+  the 4-8-row bfloat16 products reading at the probe's rate.
+- *transformers (block) / moe_layer*: moe_layer's SwiGLU experts keep Tutel's `[E, K, O]`
+  checkpoint layout, which the tile products read more slowly than transformers' `[O, K]`
+  (interleaved, 1.3-2x the `[O, K]` time at 16-64 rows), and at one token of the full-size layers
+  both sides stream the weights at the read limit (ratios near 1 in float32). Single cases move
+  between runs: Mixtral-like bfloat16 T = 128 read 1.04 in one full run on 2026-11-27 and 1.24 when
+  run alone right after. What would close it: a faster `[K, O]` tile path at 17-64 rows.
+"""
+
+
 KERNEL_FORMULAS = """The work each kernel of a step cannot avoid, for T tokens of M features, E experts with hidden
 size H, k choices per token, capacity C and s bytes per element (kept choices at most kT; the
 expert buffer has EC slots):
@@ -559,6 +596,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     if targets:
         parts.append("## Targets (2 threads; fp32 unless named)\n\n" + TARGETS_NOTE + format_table(
             targets, ["target", "goal", "measured", "met", "glibc default malloc", "where"]))
+        if "transformers_moe" in results:
+            parts.append(MISSED_TARGETS_NOTE)
     layer = results.get("layer")
     if layer:
         parts.append("## Bytes and FLOPs per kernel\n\n" + KERNEL_FORMULAS)

@@ -131,11 +131,12 @@ def test_every_thread_count_gives_the_same_result(outputs_by_inner, groups):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_groups_around_the_tile_products(outputs_by_inner, with_bias):
     """bfloat16 groups past the skinny products' line run on AMX tiles where the CPU has them
-    (core/tile_gemm.h), up to 256 rows of [O, K] matrices and 64 of [K, O] (up to 16 read in place,
-    more interleaved), larger ones on PyTorch's GEMM: groups on both sides of every line in one call
-    (6, 7, 16, 17, 64, 65, 100, 256, 257 rows), odd inner and output counts (partial tiles and
-    steps), forward and the input gradient (which reads the matrix the other way round)."""
-    groups = [7, 0, 256, 17, 64, 257, 16, 6, 65, 100]
+    (core/tile_gemm.h), up to 256 rows of [O, K] matrices (from 128 with the matrix packed) and 64 of
+    [K, O] (up to 16 read in place, more interleaved), larger ones on PyTorch's GEMM: groups on both
+    sides of every line in one call (3, 4, 6, 7, 16, 17, 64, 65, 100, 127, 128, 256, 257 rows), odd
+    inner and output counts (partial tiles and steps), forward and the input gradient (which reads
+    the matrix the other way round)."""
+    groups = [7, 0, 256, 17, 64, 257, 16, 6, 65, 100, 3, 128, 4, 127]
     x, weight, bias = random_operands(groups, 75, 53, outputs_by_inner, with_bias, torch.bfloat16, 13)
     got = torch.ops.tutel.grouped_linear(x, weight, bias, groups, outputs_by_inner)
     assert_within_rounding(got, x, weight, bias, groups, outputs_by_inner, torch.bfloat16)
