@@ -438,8 +438,8 @@ keep such lines out of L2 and read at a third of the rate: Qwen3-like T = 1 6.3 
 on an Intel Xeon, 2.5 without, so it is not given there).  The skinny products have an AVX2 and
 an AVX-512 build: with AVX-512 (register blocks of 4 x 4 for `[O, K]` weights, strips with the sums
 in registers for `[K, O]`, bf16 on AVX512-BF16's dot products) they keep up with PyTorch's AVX-512
-GEMM to 32 rows per expert in float32 and, beside AMX, to 6 in bfloat16; the AVX2 build hands
-over at 9 and 5 rows on such a CPU.  Past that line, bfloat16 groups run tutel's AMX tile products
+GEMM to 32 rows per expert in float32 and, beside AMX, to 3 (`[O, K]`) and 6 (`[K, O]`) in
+bfloat16; the AVX2 build hands over at 9 and 5 rows on such a CPU.  Past that line, bfloat16 groups run tutel's AMX tile products
 where the CPU has AMX (to 256 rows of `[O, K]` weights, 64 of `[K, O]`): PyTorch's AMX GEMM
 repacks each expert's whole matrix for every product, while the tile products take `[O, K]`
 weights as they lie in memory (from 128 rows each work item packs its 64 matrix rows once, so
@@ -500,7 +500,7 @@ uses the bf16 GEMM rate, as defined; where that rate is far below float32's (no 
 GROUPED_GEMM_INTRO = """`benchmarks/grouped_gemm.py` times the experts' grouped product alone: one gate+up projection of
 64 experts of [1024, 1024] (F.linear layout), r rows per expert (8 active experts below 8 rows, as
 when decoding one token with top-8, all 64 from 8 rows on).  *tutel*: `torch.ops.tutel.grouped_linear`
-(skinny products up to 32 rows, up to 6 in bfloat16 beside AMX and AMX tile products from there to 256; PyTorch's
+(skinny products up to 32 rows, up to 3 in bfloat16 beside AMX and AMX tile products from there to 256; PyTorch's
 GEMM per expert above); *grouped_mm*:
 `torch.nn.functional.grouped_mm`; *per_expert_linear*: one `F.linear` per expert, as transformers'
 eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large `F.linear` in the dtype
