@@ -338,10 +338,8 @@ MISSED_TARGETS_NOTE = """### Why the transformers targets that miss do, as measu
   streams of 0.5-30 MB that start cold and read slower than the probe's one long stream
   (DeepSeek-like bfloat16, the worst: a cold contiguous read of the same 12.6 MB took 0.75 ms
   against the probe's 0.58). At the published layer shapes (the full-size table) the same calls
-  take 0.7-1.0x the limit. Mixtral-like bfloat16 at T = 16 (2-8 rows per expert of 22 MB) streams
-  its matrices at 14-16 GB/s against the probe's 20. What would close it: each expert's two
-  products back to back with the next expert's weights prefetched, fewer fixed costs per call, and
-  the 4-8-row bfloat16 products reading at the probe's rate.
+  take 0.7-1.0x the limit. What would close it: each expert's two products back to back with the
+  next expert's weights prefetched, and fewer fixed costs per call.
 - *transformers (block) / moe_layer*: moe_layer's SwiGLU experts keep Tutel's `[E, K, O]`
   checkpoint layout, which the tile products read more slowly than transformers' `[O, K]`
   (interleaved, 1.3-2x the `[O, K]` time at 16-64 rows), and at one token of the full-size layers
