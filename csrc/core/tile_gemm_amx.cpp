@@ -94,20 +94,30 @@ TUTEL_AMX inline __m512i load_step(const bfloat16* row, int64_t k, int64_t inner
   return _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << n) - 1u), row + k);
 }
 
-// Token rows [16 b, 16 b + 16) of `p`, one tile per step of 32 inner values, rows past p.rows and
-// values past `inner` zero: for [O, K] matrices as B tiles (the 16 x 16 blocks of value pairs
-// transposed), for [K, O] as A tiles (the rows as they are).
-TUTEL_AMX void pack_rows(const SkinnyProduct<bfloat16>& p, int64_t block, int64_t inner, WeightLayout layout,
-                         PackedTile* out) {
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
-  const int64_t first = block * kTileRows, count = std::min(kTileRows, p.rows - first);
-  for (int64_t s = 0; s < steps; ++s) {
+// Steps of 32 inner values per tile product.
+inline int64_t inner_steps(int64_t inner) { return (inner + kInnerStep - 1) / kInnerStep; }
+
+// `count` <= 16 rows from `first_row`, `stride` values apart, one tile per step of 32 inner values
+// at out[s * out_stride], rows past `count` and values past `inner` zero: as they are (A tiles), or
+// `transposed` (B tiles: the 16 x 16 blocks of value pairs transposed).
+TUTEL_AMX void pack_tile_rows(const bfloat16* first_row, int64_t stride, int64_t count, int64_t inner,
+                              bool transposed, PackedTile* out, int64_t out_stride) {
+  for (int64_t s = 0; s < inner_steps(inner); ++s) {
     __m512i r[16];
     for (int64_t i = 0; i < kTileRows; ++i)
-      r[i] = i < count ? load_step(p.x + (first + i) * p.x_stride, s * kInnerStep, inner) : _mm512_setzero_si512();
-    if (layout == WeightLayout::kOutputsByInner) transpose_16x16(r);
-    for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[s].pairs + i * kTileRows, r[i]);
+      r[i] = i < count ? load_step(first_row + i * stride, s * kInnerStep, inner) : _mm512_setzero_si512();
+    if (transposed) transpose_16x16(r);
+    for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[s * out_stride].pairs + i * kTileRows, r[i]);
   }
+}
+
+// Token rows [16 b, 16 b + 16) of `p`, one tile per step, rows past p.rows zero (pack_tile_rows):
+// transposed as B tiles, or as they are as A tiles.
+TUTEL_AMX void pack_rows(const SkinnyProduct<bfloat16>& p, int64_t block, int64_t inner, bool transposed,
+                         PackedTile* out) {
+  const int64_t first = block * kTileRows;
+  pack_tile_rows(p.x + first * p.x_stride, p.x_stride, std::min(kTileRows, p.rows - first), inner, transposed, out,
+                 1);
 }
 
 // Steps [s_begin, s_end) of [K, O] matrix columns [o_begin, o_end) as B tiles: for step s the
@@ -260,7 +270,7 @@ TUTEL_AMX void outputs_by_inner(const SkinnyProduct<bfloat16>& p, const PackedTi
   constexpr int64_t kRow = 2 * kTileRows, kDown = kTileRows * kRow;
   const BlockSums block_sums{{{sums, sums + kTileRows}, {sums + kDown, sums + kDown + kTileRows}},
                              kRow * int64_t(sizeof(float)), false};
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
+  const int64_t steps = inner_steps(inner);
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   for (int64_t o = o_begin; o < o_end; o += 2 * kTileRows) {
     const bool two_o = o_end - o > kTileRows;
@@ -276,21 +286,13 @@ TUTEL_AMX void outputs_by_inner(const SkinnyProduct<bfloat16>& p, const PackedTi
 }
 
 // Matrix rows [o, o + 16 * tiles) of p (zero from `o_end` and past `inner`) as B tiles, step after
-// step: out[tiles * s + t] pairs inner values (k, k + 1) of step s for rows [o + 16 t, +16), each
-// 16 x 16 block of value pairs transposed.
+// step: out[tiles * s + t] pairs inner values (k, k + 1) of step s for rows [o + 16 t, +16).
 TUTEL_AMX void pack_matrix_pairs(const SkinnyProduct<bfloat16>& p, int64_t o, int64_t o_end, int64_t tiles,
                                  int64_t inner, PackedTile* out) {
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t first = o + t * kTileRows;
-    for (int64_t s = 0; s < steps; ++s) {
-      __m512i r[16];
-      for (int64_t i = 0; i < kTileRows; ++i)
-        r[i] = first + i < o_end ? load_step(p.w + (first + i) * p.w_stride, s * kInnerStep, inner)
-                                 : _mm512_setzero_si512();
-      transpose_16x16(r);
-      for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[tiles * s + t].pairs + i * kTileRows, r[i]);
-    }
+    pack_tile_rows(p.w + first * p.w_stride, p.w_stride, std::min(kTileRows, o_end - first), inner, true, out + t,
+                   tiles);
   }
 }
 
@@ -327,7 +329,7 @@ TUTEL_AMX void outputs_by_inner_packed(const SkinnyProduct<bfloat16>& p, const P
   // sums[q * kBlock + 16 i * 32 + 16 j], rows of 32.
   constexpr int64_t kRow = 2 * kTileRows, kDown = kTileRows * kRow, kBlock = 2 * kDown;
   alignas(64) float sums[kPackedSpanBlocks / 2 * kBlock];
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
+  const int64_t steps = inner_steps(inner);
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   const int64_t tiles = (o_end - o_begin + kTileRows - 1) / kTileRows;
   pack_matrix_pairs(p, o_begin, o_end, tiles, inner, matrix);
@@ -389,7 +391,7 @@ struct PackedRowsTimesChunk {
 // (token block, output tile) of scratch.
 TUTEL_AMX void inner_by_outputs(const SkinnyProduct<bfloat16>& p, const PackedTile* rows, int64_t inner,
                                 int64_t o_begin, int64_t o_end, PackedTile* chunk, float* carried) {
-  const int64_t steps = (inner + kInnerStep - 1) / kInnerStep;
+  const int64_t steps = inner_steps(inner);
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   const int64_t tiles = (o_end - o_begin + kTileRows - 1) / kTileRows, per_chunk = chunk_steps(tiles);
   // One pass even without inner values, so that the sums start from zero.
@@ -584,7 +586,7 @@ TileMode tile_mode(WeightLayout layout, int64_t rows) {
 
 // Packed tiles per block of 16 token rows.
 int64_t tiles_per_block(TileMode mode, int64_t inner) {
-  return mode == TileMode::kInPlace ? 2 * spread_steps(inner) : (inner + kInnerStep - 1) / kInnerStep;
+  return mode == TileMode::kInPlace ? 2 * spread_steps(inner) : inner_steps(inner);
 }
 
 // Work items: (product, range of outputs).  [O, K] matrices: 64 outputs (their rows are read whole
@@ -626,7 +628,8 @@ struct TileWork {
 TUTEL_AMX void run_items(const TileWork& work, WorkQueue& queue) {
   load_tile_config();
   alignas(64) bfloat16 spare[2 * kTileRows * kInnerStep];
-  // [K, O] scratch, kept per thread between calls (hundreds of KiB, faulted in once).
+  // Scratch of the [K, O] and packed [O, K] products, kept per thread between calls (hundreds of
+  // KiB, faulted in once).
   static thread_local std::vector<PackedTile> chunk, carried, matrix;
   if (chunk.size() < work.chunk_tiles) chunk.resize(work.chunk_tiles);
   if (matrix.size() < work.matrix_tiles) matrix.resize(work.matrix_tiles);
@@ -696,10 +699,12 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
     for (int64_t i = begin; i < end; ++i) {
       const auto [index, block] = blocks[i];
       PackedTile* const out = tiles + first_tile[index] + block * tiles_per_block(modes[index], inner);
-      if (modes[index] == TileMode::kInPlace) pack_spread_rows(products[index], block, inner, out);
-      else if (modes[index] == TileMode::kMatrixPacked)  // A tiles, the rows as they are
-        pack_rows(products[index], block, inner, WeightLayout::kInnerByOutputs, out);
-      else pack_rows(products[index], block, inner, layout, out);
+      if (modes[index] == TileMode::kInPlace) {
+        pack_spread_rows(products[index], block, inner, out);
+      } else {
+        // B tiles for the in-place [O, K] products, A tiles for the packed ones and for [K, O].
+        pack_rows(products[index], block, inner, modes[index] == TileMode::kMatrixRowsAsA, out);
+      }
     }
   });
   // The items, those of the products with the most rows first (an item's time follows its
@@ -714,8 +719,7 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
     const int64_t width = outputs_per_item(mode, count, outputs);
     for (int64_t o = 0; o < outputs; o += width) items.push_back({g, o, std::min(outputs, o + width)});
     if (mode == TileMode::kMatrixPacked)
-      matrix_tiles = std::max(matrix_tiles, size_t((width + kTileRows - 1) / kTileRows *
-                                                   ((inner + kInnerStep - 1) / kInnerStep)));
+      matrix_tiles = std::max(matrix_tiles, size_t((width + kTileRows - 1) / kTileRows * inner_steps(inner)));
     if (mode == TileMode::kMatrixRowsAsA || mode == TileMode::kMatrixPacked) continue;
     const int64_t token_blocks = (products[size_t(g)].rows + kTileRows - 1) / kTileRows;
     const int64_t output_tiles = (width + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
