@@ -80,7 +80,7 @@ def openmp_flags():
 
 
 def extension():
-    sources = relative_sources("csrc/core/*.cpp", "csrc/ops/*.cpp", "csrc/ops/cpu/*.cpp")
+    sources = relative_sources("csrc/core/*.cpp", "csrc/gemm/*.cpp", "csrc/ops/*.cpp", "csrc/ops/cpu/*.cpp")
     include_dirs = [os.path.join(ROOT, "csrc")]
     compile_args = {"cxx": ["-O3", "-fvisibility=hidden"] + openmp_flags()}
     if not WITH_CUDA:

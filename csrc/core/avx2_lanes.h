@@ -1,9 +1,10 @@
 // Eight elements of a storage type as eight floats in an AVX2 register, and back.
 //
-// Shared by the hand-vectorised kernels (row_kernels_avx2.cpp, skinny_gemm_avx2.cpp).  Every
-// function carries its own target attribute, so the files including this compile with the
-// baseline flags and their code runs only after a CPU check (cpu_has_avx2()).  16-bit stores
-// round to nearest even and write NaN as scalar.h does, so vector and scalar paths agree.
+// Shared by the hand-vectorised kernels (row_kernels_avx2.cpp, gated_units_avx2.cpp, and the CPU
+// GEMM's gemm/skinny_gemm_avx2.cpp and gemm/avx512_lanes.h).  Every function carries its own
+// target attribute, so the files including this compile with the baseline flags and their code
+// runs only after a CPU check (cpu_has_avx2()).  16-bit stores round to nearest even and write NaN
+// as scalar.h does, so vector and scalar paths agree.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -4,10 +4,10 @@
 // into its rows of the output, so nothing is gathered or copied.
 //
 // Groups of a few rows (decoding, small batches over many experts) run tutel's
-// skinny products, which read each expert's matrix once (core/skinny_gemm.h);
+// skinny products, which read each expert's matrix once (gemm/skinny_gemm.h);
 // bfloat16 groups past them run on AMX tiles where the CPU has them
-// (core/tile_gemm.h); larger groups run PyTorch's GEMM, one single-threaded
-// product per thread (core/work_balance.h says why).
+// (gemm/tile_gemm.h); larger groups run PyTorch's GEMM, one single-threaded
+// product per thread (gemm/work_balance.h says why).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -17,10 +17,10 @@
 #include <tuple>
 #include <vector>
 
-#include "../../core/cpu_gemm_units.h"
-#include "../../core/skinny_gemm.h"
-#include "../../core/tile_gemm.h"
-#include "../../core/work_balance.h"
+#include "../../gemm/cpu_gemm_units.h"
+#include "../../gemm/skinny_gemm.h"
+#include "../../gemm/tile_gemm.h"
+#include "../../gemm/work_balance.h"
 #include "../checks.h"
 #include "../core_types.h"
 #include "grouped_linear_cpu.h"
@@ -47,7 +47,7 @@ constexpr int64_t kSkinnyMaxRows = 32;
 // PyTorch's GEMM packs the matrix once for all of them.  16-bit rows keep the plain bound: their
 // GEMM alternative is slower still without 16-bit dot products, and [K, O] matrices stream past
 // per-thread sums instead.  The AVX-512 products read the token rows in chunks that stay in L1
-// (core/skinny_avx512_dot.h), so the bound is for the AVX2 ones.
+// (gemm/skinny_avx512_dot.h), so the bound is for the AVX2 ones.
 constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
 
 // Up to this many rows the skinny products beat PyTorch's GEMM for float32 [O, K] matrices of
@@ -60,7 +60,7 @@ constexpr int64_t kSkinnyMaxRowBytes = int64_t(160) << 10;
 // 8.2 / 6.6 / 5.3 against 7.5 / 7.3 / 6.4.
 constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 
-// Where PyTorch's GEMM has units the AVX2 skinny products lack (core/cpu_gemm_units.h) it
+// Where PyTorch's GEMM has units the AVX2 skinny products lack (gemm/cpu_gemm_units.h) it
 // overtakes them at fewer rows, in both layouts: from about 9 rows for float32 with full-width
 // 512-bit FMA, from about 5 for bfloat16 with native bfloat16 dot products (AMX computes a tile of
 // them at once).  Measured on an Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, each
@@ -73,7 +73,7 @@ constexpr int64_t kSkinnyRowsOfAnyLength = 20;
 constexpr int64_t kSkinnyMaxRowsBesideWideFma = 8;
 constexpr int64_t kSkinnyMaxRowsBesideBf16Dot = 4;
 
-// The AVX-512 skinny products (core/skinny_gemm_avx512.cpp) run on the same units as such a GEMM
+// The AVX-512 skinny products (gemm/skinny_gemm_avx512.cpp) run on the same units as such a GEMM
 // and keep their lead further: float32 to 32 rows in both layouts whatever the row length,
 // bfloat16 to 6 rows of [O, K] and 8 of [K, O].  Measured on the same Xeon, 8 active experts, each
 // product after a 600 MB read, ms AVX-512 skinny / GEMM in two runs: float32 [O, K] 1024 x 1024 at
@@ -99,37 +99,37 @@ constexpr int64_t kWideSkinnyMaxRowsBesideBf16DotInnerByOutputs = 8;
 constexpr int64_t kWideSkinnyMaxRowsBesideTiles = 3;
 
 // Where the CPU has AMX the tile products read [K, O] matrices of up to 16 rows in place
-// (core/tile_gemm.h) and take over from 7 rows.  Measured on the same Xeon, ms skinny / tiles at 6 /
+// (gemm/tile_gemm.h) and take over from 7 rows.  Measured on the same Xeon, ms skinny / tiles at 6 /
 // 7 / 8 rows: 8 experts of [3584, 1024] 3.2 / 4.1 / 5.4 against 2.9 / 3.2 / 4.3, [1024, 3584] 2.5 /
 // 3.7 / 4.0 against 2.8 / 3.4 / 3.1; 64 experts of [512, 1024] 3.6 / 4.3 / 4.5 against 3.5 / 3.4 /
 // 3.3, [1024, 256] 2.5 / 3.5 / 3.1 against 2.5 / 4.1 / 3.1.
 constexpr int64_t kWideSkinnyMaxRowsBesideTilesInnerByOutputs = 6;
 
 // The vector width of the skinny products this CPU runs for `dtype` in `layout`.
-int skinny_vector_bits(at::ScalarType dtype, core::WeightLayout layout) {
+int skinny_vector_bits(at::ScalarType dtype, gemm::WeightLayout layout) {
   const auto bits = [layout](const auto& kernels) {
-    return layout == core::WeightLayout::kOutputsByInner ? kernels.outputs_by_inner_bits : kernels.inner_by_outputs_bits;
+    return layout == gemm::WeightLayout::kOutputsByInner ? kernels.outputs_by_inner_bits : kernels.inner_by_outputs_bits;
   };
   switch (dtype) {
-    case at::kFloat: return bits(core::skinny_kernels<float>());
-    case at::kBFloat16: return bits(core::skinny_kernels<core::bfloat16>());
-    case at::kHalf: return bits(core::skinny_kernels<core::float16>());
+    case at::kFloat: return bits(gemm::skinny_kernels<float>());
+    case at::kBFloat16: return bits(gemm::skinny_kernels<gemm::bfloat16>());
+    case at::kHalf: return bits(gemm::skinny_kernels<gemm::float16>());
     default: return 0;
   }
 }
 
-int64_t skinny_max_rows(const at::Tensor& rows, core::WeightLayout layout) {
+int64_t skinny_max_rows(const at::Tensor& rows, gemm::WeightLayout layout) {
   const at::ScalarType dtype = rows.scalar_type();
   const bool wide_skinny = skinny_vector_bits(dtype, layout) == 512;
-  if (dtype == at::kFloat && core::cpu_gemm_has_wide_fma()) return wide_skinny ? kSkinnyMaxRows : kSkinnyMaxRowsBesideWideFma;
-  if (dtype == at::kBFloat16 && core::cpu_gemm_has_bf16_dot()) {
+  if (dtype == at::kFloat && gemm::cpu_gemm_has_wide_fma()) return wide_skinny ? kSkinnyMaxRows : kSkinnyMaxRowsBesideWideFma;
+  if (dtype == at::kBFloat16 && gemm::cpu_gemm_has_bf16_dot()) {
     if (!wide_skinny) return kSkinnyMaxRowsBesideBf16Dot;
-    if (layout == core::WeightLayout::kOutputsByInner)
-      return core::tile_products_available() ? kWideSkinnyMaxRowsBesideTiles : kWideSkinnyMaxRowsBesideBf16Dot;
-    return core::tile_products_available() ? kWideSkinnyMaxRowsBesideTilesInnerByOutputs
+    if (layout == gemm::WeightLayout::kOutputsByInner)
+      return gemm::tile_products_available() ? kWideSkinnyMaxRowsBesideTiles : kWideSkinnyMaxRowsBesideBf16Dot;
+    return gemm::tile_products_available() ? kWideSkinnyMaxRowsBesideTilesInnerByOutputs
                                            : kWideSkinnyMaxRowsBesideBf16DotInnerByOutputs;
   }
-  if (layout != core::WeightLayout::kOutputsByInner || dtype != at::kFloat || wide_skinny) return kSkinnyMaxRows;
+  if (layout != gemm::WeightLayout::kOutputsByInner || dtype != at::kFloat || wide_skinny) return kSkinnyMaxRows;
   const int64_t row_bytes = std::max<int64_t>(1, rows.size(1)) * int64_t(sizeof(float));
   return std::max(kSkinnyRowsOfAnyLength, std::min(kSkinnyMaxRows, kSkinnyMaxRowBytes / row_bytes));
 }
@@ -141,7 +141,7 @@ bool skinny_dtype(at::ScalarType dtype) {
 // Group g's product: rows[offsets[g]:offsets[g+1]] times matrices[g] (+ bias[g]) into out's same
 // rows.  `bias` is [groups, outputs] or undefined.
 template <class T>
-core::SkinnyProduct<core_t<T>> group_product(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias,
+gemm::SkinnyProduct<core_t<T>> group_product(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias,
                                              at::Tensor& out, const std::vector<int64_t>& offsets, size_t g) {
   return {core_ptr<T>(rows) + offsets[g] * rows.stride(0),
           rows.stride(0),
@@ -158,8 +158,8 @@ core::SkinnyProduct<core_t<T>> group_product(const at::Tensor& rows, const at::T
 // (its last dim must be contiguous), `bias` is [groups, outputs] or undefined.
 template <class T>
 void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias, at::Tensor& out,
-                   const std::vector<int64_t>& offsets, core::WeightLayout layout, std::vector<bool>& done) {
-  std::vector<core::SkinnyProduct<core_t<T>>> products;
+                   const std::vector<int64_t>& offsets, gemm::WeightLayout layout, std::vector<bool>& done) {
+  std::vector<gemm::SkinnyProduct<core_t<T>>> products;
   const int64_t max_rows = skinny_max_rows(rows, layout);
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
@@ -167,10 +167,10 @@ void skinny_groups(const at::Tensor& rows, const at::Tensor& matrices, const at:
     products.push_back(group_product<T>(rows, matrices, bias, out, offsets, g));
     done[g] = true;
   }
-  core::skinny_products(products, rows.size(1), out.size(1), layout);
+  gemm::skinny_products(products, rows.size(1), out.size(1), layout);
 }
 
-// Up to these many rows the AMX tile products (core/tile_gemm.h) beat PyTorch's bfloat16 GEMM,
+// Up to these many rows the AMX tile products (gemm/tile_gemm.h) beat PyTorch's bfloat16 GEMM,
 // which repacks the matrix for every product.  Measured on an Intel Xeon with AMX, 2 threads,
 // 8 active experts, each product after a 600 MB read, the two candidates' calls interleaved, ms
 // tiles / GEMM.  [O, K] 1024 x 1024 at 8 / 16 / 64 / 256 rows: 1.25 / 1.19 / 2.30 / 7.05 against
@@ -186,24 +186,24 @@ constexpr int64_t kTileMaxRowsInnerByOutputs = 64;
 // The bfloat16 groups the skinny products leave, up to the tile products' line, on AMX tiles where
 // the CPU has them; marks them in `done`.
 void tile_groups(const at::Tensor& rows, const at::Tensor& matrices, const at::Tensor& bias, at::Tensor& out,
-                 const std::vector<int64_t>& offsets, core::WeightLayout layout, std::vector<bool>& done) {
-  if (rows.scalar_type() != at::kBFloat16 || !core::tile_products_available()) return;
-  std::vector<core::SkinnyProduct<core::bfloat16>> products;
-  const int64_t line = layout == core::WeightLayout::kOutputsByInner ? kTileMaxRows : kTileMaxRowsInnerByOutputs;
+                 const std::vector<int64_t>& offsets, gemm::WeightLayout layout, std::vector<bool>& done) {
+  if (rows.scalar_type() != at::kBFloat16 || !gemm::tile_products_available()) return;
+  std::vector<gemm::SkinnyProduct<gemm::bfloat16>> products;
+  const int64_t line = layout == gemm::WeightLayout::kOutputsByInner ? kTileMaxRows : kTileMaxRowsInnerByOutputs;
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     if (count < 1 || count > line || done[g]) continue;
     products.push_back(group_product<c10::BFloat16>(rows, matrices, bias, out, offsets, g));
     done[g] = true;
   }
-  core::tile_products(products, rows.size(1), out.size(1), layout);
+  gemm::tile_products(products, rows.size(1), out.size(1), layout);
 }
 
 // Runs the groups the skinny products serve (see skinny_groups), then those the tile products serve
 // (tile_groups); returns which ones ran.
 std::vector<bool> run_skinny_groups(const at::Tensor& rows, const at::Tensor& matrices,
                                     const c10::optional<at::Tensor>& bias, at::Tensor& out,
-                                    const std::vector<int64_t>& offsets, core::WeightLayout layout) {
+                                    const std::vector<int64_t>& offsets, gemm::WeightLayout layout) {
   std::vector<bool> done(offsets.size() - 1, false);
   const bool bias_ok = !bias.has_value() || bias->stride(1) == 1;
   if (!skinny_dtype(rows.scalar_type()) || matrices.stride(2) != 1 || rows.stride(1) != 1 || out.stride(1) != 1 ||
@@ -239,7 +239,7 @@ void add_product(std::vector<ProductPiece>& pieces, const at::Tensor& out, const
                  const at::Tensor& right, const at::Tensor& bias, double max_cost) {
   const int64_t extent = out.size(0);
   const double cost = double(left.size(0)) * double(left.size(1)) * double(right.size(1));
-  const int64_t count = core::pieces_to_cut(cost, max_cost, extent, kMinPieceExtent);
+  const int64_t count = gemm::pieces_to_cut(cost, max_cost, extent, kMinPieceExtent);
   for (int64_t p = 0; p < count; ++p) {
     const int64_t begin = extent * p / count, length = extent * (p + 1) / count - begin;
     pieces.push_back({out.narrow(0, begin, length), left.narrow(0, begin, length), right, bias,
@@ -267,7 +267,7 @@ void run_pieces(const std::vector<ProductPiece>& pieces) {
   std::vector<double> costs;
   costs.reserve(pieces.size());
   for (const ProductPiece& piece : pieces) costs.push_back(piece.cost);
-  core::WorkQueue queue(core::longest_first(costs));
+  gemm::WorkQueue queue(gemm::longest_first(costs));
   // Grain 1 over the workers: each claims pieces until none is left, and the GEMMs inside a
   // parallel region run single-threaded.  The pool's threads take this thread's dispatch
   // state (below autograd), or the out= products would refuse tensors that need grad.
@@ -285,8 +285,8 @@ void run_pieces(const std::vector<ProductPiece>& pieces) {
 double max_piece_cost(double total) { return total / double(2 * std::max(1, at::get_num_threads())); }
 
 // How a product reads weight[g]: rows @ W^T for [O, K] matrices, rows @ W for [K, O].
-core::WeightLayout layout_of(bool outputs_by_inner) {
-  return outputs_by_inner ? core::WeightLayout::kOutputsByInner : core::WeightLayout::kInnerByOutputs;
+gemm::WeightLayout layout_of(bool outputs_by_inner) {
+  return outputs_by_inner ? gemm::WeightLayout::kOutputsByInner : gemm::WeightLayout::kInnerByOutputs;
 }
 
 // Row offsets of the groups; checks the counts against the rows of x.

@@ -12,16 +12,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "avx2_lanes.h"
+#include "../core/avx2_lanes.h"
 #include "skinny_prefetch.h"
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 #ifdef TUTEL_HAVE_AVX2_KERNELS
 namespace {
 
-using avx2::Lanes;
+using core::avx2::Lanes;
 using skinny::RowPrefetch;
 using skinny::prefetch_ahead;
 
@@ -311,7 +311,7 @@ const SkinnyKernels<T>* avx2_skinny_kernels() {
 #ifdef TUTEL_HAVE_AVX2_KERNELS
   if constexpr (!std::is_same<T, double>::value) {
     static const SkinnyKernels<T> kernels{&avx2_outputs_by_inner<T>, &avx2_inner_by_outputs<T>, 256, 256};
-    if (avx2::cpu_has_avx2_fma()) return &kernels;
+    if (core::avx2::cpu_has_avx2_fma()) return &kernels;
   }
 #endif
   return nullptr;
@@ -322,5 +322,5 @@ template const SkinnyKernels<double>* avx2_skinny_kernels<double>();
 template const SkinnyKernels<bfloat16>* avx2_skinny_kernels<bfloat16>();
 template const SkinnyKernels<float16>* avx2_skinny_kernels<float16>();
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

@@ -13,7 +13,7 @@
 #include <vector>
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 // How many nearly equal pieces to cut a piece of work into: enough that no piece
 // costs more than `max_cost`, but none shorter than `min_extent` along the
@@ -69,5 +69,5 @@ class WorkQueue {
   std::atomic<int64_t> next_{0};
 };
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

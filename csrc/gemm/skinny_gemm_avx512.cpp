@@ -32,7 +32,7 @@
 #endif
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 #ifdef TUTEL_HAVE_AVX512_KERNELS
 namespace {
@@ -233,5 +233,5 @@ TUTEL_INSTANTIATE_AVX512_SKINNY(bfloat16)
 TUTEL_INSTANTIATE_AVX512_SKINNY(float16)
 #undef TUTEL_INSTANTIATE_AVX512_SKINNY
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

@@ -32,7 +32,7 @@
 #include "skinny_gemm.h"
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 // Whether this build and CPU run tile products: AMX-BF16 and AVX-512 present, and the operating
 // system grants this process the tile registers (Linux is asked once).
@@ -43,5 +43,5 @@ bool tile_products_available();
 void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t inner, int64_t outputs,
                    WeightLayout layout);
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

@@ -4,7 +4,7 @@
 #pragma once
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 // Whether float32 GEMMs run on 512-bit FMA units at full width: Intel's cores with AVX-512F
 // (AMD's Zen 4 also executes AVX-512, but at the 256-bit units' rate).
@@ -14,5 +14,5 @@ bool cpu_gemm_has_wide_fma();
 // widening both operands to float first.
 bool cpu_gemm_has_bf16_dot();
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

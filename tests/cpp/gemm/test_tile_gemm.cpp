@@ -1,4 +1,4 @@
-// AMX tile products (core/tile_gemm.h), both matrix layouts, against double sums: several products per call, odd row,
+// AMX tile products (gemm/tile_gemm.h), both matrix layouts, against double sums: several products per call, odd row,
 // inner and output counts (partial tiles and steps of every kind), strides wider than the rows,
 // bias, no inner values; a token row's results alone and among others; NaN stores and where a NaN in
 // the matrix reaches.  Skipped where the CPU (or the operating system) gives no AMX tiles.
@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "core/tile_gemm.h"
-#include "storage_values.h"
+#include "gemm/tile_gemm.h"
+#include "../storage_values.h"
 
-using namespace tutel::core;
+using namespace tutel::gemm;
 using tutel_test::bits_of;
 using tutel_test::unit_rounding;
 using tutel_test::value;

@@ -3,11 +3,14 @@
 
 #include <algorithm>
 
-#include "parallel.h"
+#include "../core/parallel.h"
 #include "work_balance.h"
 
 namespace tutel {
-namespace core {
+namespace gemm {
+
+using core::max_parallelism;
+using core::parallel_for;
 namespace {
 
 template <class T>
@@ -114,5 +117,5 @@ TUTEL_INSTANTIATE_SKINNY(bfloat16)
 TUTEL_INSTANTIATE_SKINNY(float16)
 #undef TUTEL_INSTANTIATE_SKINNY
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

@@ -15,7 +15,7 @@
 #include "skinny_avx512_dot.h"
 
 namespace tutel {
-namespace core {
+namespace gemm {
 namespace skinny {
 namespace {
 
@@ -39,6 +39,6 @@ struct Bf16PairDot {
 SkinnyKernel<bfloat16> bf16_dot_outputs_by_inner() { return &outputs_by_inner<bfloat16, Bf16PairDot>; }
 
 }  // namespace skinny
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel
 #endif

@@ -21,10 +21,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "scalar.h"
+#include "../core/scalar.h"
 
 namespace tutel {
-namespace core {
+namespace gemm {
+
+// The storage types and their rounding are the core's (scalar.h), shared with the MoE kernels.
+using core::acc_t;
+using core::bfloat16;
+using core::float16;
+using core::Scalar;
 
 enum class WeightLayout {
   kOutputsByInner,  // [O, K]: y = x @ W^T
@@ -87,5 +93,5 @@ template <class T>
 void skinny_products(const std::vector<SkinnyProduct<T>>& products, int64_t inner, int64_t outputs,
                      WeightLayout layout);
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

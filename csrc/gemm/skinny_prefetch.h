@@ -12,7 +12,7 @@
 #define TUTEL_HAVE_SKINNY_PREFETCH 1
 
 namespace tutel {
-namespace core {
+namespace gemm {
 namespace skinny {
 
 // Both layouts prefetch each matrix row's data from a row further on, at the same column: a
@@ -88,6 +88,6 @@ inline RowPrefetch inner_by_outputs_prefetch(int64_t tile_bytes, int64_t w_strid
 }
 
 }  // namespace skinny
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel
 #endif

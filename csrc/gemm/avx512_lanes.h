@@ -6,14 +6,14 @@
 // compiled for a wider target (AVX512-BF16, AMX) inline these.
 #pragma once
 
-#include "avx2_lanes.h"
+#include "../core/avx2_lanes.h"
 
 #ifdef TUTEL_HAVE_AVX2_KERNELS
 
 #define TUTEL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
 namespace tutel {
-namespace core {
+namespace gemm {
 namespace avx512 {
 
 // What the AVX-512 kernels need of the CPU (and of the OS: __builtin_cpu_supports checks that it
@@ -34,13 +34,13 @@ TUTEL_AVX512 inline __m512 widen_bf16(__m256i bits) {
 // as scalar.h rounds them, NaN written as it writes it).
 template <class T>
 TUTEL_AVX512 inline void store16(T* p, __m512 v) {
-  avx2::Lanes<T>::store(p, _mm512_extractf32x8_ps(v, 0));
-  avx2::Lanes<T>::store(p + 8, _mm512_extractf32x8_ps(v, 1));
+  core::avx2::Lanes<T>::store(p, _mm512_extractf32x8_ps(v, 0));
+  core::avx2::Lanes<T>::store(p + 8, _mm512_extractf32x8_ps(v, 1));
 }
 
 // bfloat16 stores in one 512-bit pass, rounded as avx2::Lanes<bfloat16>::store rounds (to nearest
 // even, NaN as 0x7fc0): the same bits, without splitting the register in halves.
-TUTEL_AVX512 inline void store16(bfloat16* p, __m512 v) {
+TUTEL_AVX512 inline void store16(core::bfloat16* p, __m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
@@ -49,6 +49,6 @@ TUTEL_AVX512 inline void store16(bfloat16* p, __m512 v) {
 }
 
 }  // namespace avx512
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel
 #endif

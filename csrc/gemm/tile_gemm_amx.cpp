@@ -12,7 +12,7 @@
 #include <numeric>
 #include <utility>
 
-#include "parallel.h"
+#include "../core/parallel.h"
 #include "work_balance.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
@@ -25,7 +25,10 @@
 #define TUTEL_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-bf16")))
 
 namespace tutel {
-namespace core {
+namespace gemm {
+
+using core::max_parallelism;
+using core::parallel_for;
 namespace {
 
 // Every tile is 16 rows of 64 bytes: A holds 16 rows x 32 inner values, B 16 interleaved pairs of
@@ -736,19 +739,19 @@ void tile_products(const std::vector<SkinnyProduct<bfloat16>>& products, int64_t
   parallel_for(0, max_parallelism(), 1, [&](int64_t, int64_t) { run_items(work, queue); });
 }
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel
 
 #else
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 bool tile_products_available() { return false; }
 
 void tile_products(const std::vector<SkinnyProduct<bfloat16>>&, int64_t, int64_t, WeightLayout) {}
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel
 
 #endif

@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/work_balance.h"
+#include "gemm/work_balance.h"
 
-using namespace tutel::core;
+using namespace tutel::gemm;
 
 namespace {
 

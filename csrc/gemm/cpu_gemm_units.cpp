@@ -5,7 +5,7 @@
 #endif
 
 namespace tutel {
-namespace core {
+namespace gemm {
 namespace {
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -50,5 +50,5 @@ bool cpu_gemm_has_bf16_dot() {
 #endif
 }
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

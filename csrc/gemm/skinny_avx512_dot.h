@@ -33,7 +33,7 @@
 #define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
 
 namespace tutel {
-namespace core {
+namespace gemm {
 namespace skinny {
 
 inline bool cpu_has_avx512_bf16() {
@@ -86,7 +86,7 @@ struct Four {
   TUTEL_SKINNY_DOT_TARGET static __m128 load(const T* p) { return load_four(p); }
   TUTEL_SKINNY_DOT_TARGET static void store(T* p, __m128 v) {
     alignas(32) T lanes[8];
-    avx2::Lanes<T>::store(lanes, _mm256_zextps128_ps256(v));
+    core::avx2::Lanes<T>::store(lanes, _mm256_zextps128_ps256(v));
     std::memcpy(p, lanes, 4 * sizeof(T));
   }
 };
@@ -241,5 +241,5 @@ TUTEL_SKINNY_DOT_TARGET void outputs_by_inner(const SkinnyProduct<T>& p, int64_t
 
 }  // namespace
 }  // namespace skinny
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

@@ -1,4 +1,4 @@
-// core/cpu_gemm_units.h reads CPUID bits by hand; the Linux kernel's own reading of the same bits
+// gemm/cpu_gemm_units.h reads CPUID bits by hand; the Linux kernel's own reading of the same bits
 // (the flags of /proc/cpuinfo) is the reference.
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "core/cpu_gemm_units.h"
+#include "gemm/cpu_gemm_units.h"
 
 namespace {
 
@@ -38,12 +38,12 @@ TEST(CpuGemmUnits, Bf16DotMatchesTheKernelsFlags) {
   const std::set<std::string> flags = kernel_cpu_flags();
   if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this system";
   const bool expected = flags.count("avx512f") && (flags.count("avx512_bf16") || flags.count("amx_bf16"));
-  EXPECT_EQ(tutel::core::cpu_gemm_has_bf16_dot(), expected);
+  EXPECT_EQ(tutel::gemm::cpu_gemm_has_bf16_dot(), expected);
 }
 
 TEST(CpuGemmUnits, WideFmaMeansIntelWithAvx512) {
   const std::set<std::string> flags = kernel_cpu_flags();
   if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this system";
   const bool expected = cpuinfo_field("vendor_id") == "GenuineIntel" && flags.count("avx512f");
-  EXPECT_EQ(tutel::core::cpu_gemm_has_wide_fma(), expected);
+  EXPECT_EQ(tutel::gemm::cpu_gemm_has_wide_fma(), expected);
 }

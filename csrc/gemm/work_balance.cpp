@@ -5,7 +5,7 @@
 #include <numeric>
 
 namespace tutel {
-namespace core {
+namespace gemm {
 
 int64_t pieces_to_cut(double cost, double max_cost, int64_t extent, int64_t min_extent) {
   if (!(cost > max_cost) || max_cost <= 0) return 1;
@@ -29,5 +29,5 @@ std::vector<int64_t> grouped_longest_first(const std::vector<double>& group_cost
   return items;
 }
 
-}  // namespace core
+}  // namespace gemm
 }  // namespace tutel

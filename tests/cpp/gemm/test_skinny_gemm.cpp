@@ -8,10 +8,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/skinny_gemm.h"
-#include "storage_values.h"
+#include "gemm/skinny_gemm.h"
+#include "../storage_values.h"
 
-using namespace tutel::core;
+using namespace tutel::gemm;
 using tutel_test::bits_of;
 using tutel_test::unit_rounding;
 using tutel_test::value;
