@@ -1,6 +1,6 @@
 // What PyTorch's CPU GEMM can use on this CPU that tutel's AVX2 skinny products cannot: where it
-// multiplies at several times their rate, it overtakes them at fewer rows per product (see
-// grouped_linear_cpu.cpp's skinny_max_rows).  Read from CPUID once; false off x86.
+// multiplies at several times their rate, it overtakes them at fewer rows per product (policy.h's
+// lines).  Read from CPUID once; false off x86.
 #pragma once
 
 namespace tutel {
