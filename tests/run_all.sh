@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Sets up this machine (PyTorch, GoogleTest, build tools), builds the project and
-# runs every test: the C++ core suite (ctest, also under ASan/UBSan), the
-# DeepSpeed integration and the Python suite (pytest).  Safe to run repeatedly;
-# installs only what is missing.
+# Sets up this machine (tests/setup_env.sh: what the build and the demo need, then
+# the test tools; README.md lists them), builds the project and runs every test:
+# the C++ core suite (ctest, also under ASan/UBSan), the DeepSpeed integration and
+# the Python suite (pytest).  Safe to run repeatedly; installs only what is missing.
 #
 #   bash tests/run_all.sh              # everything
 #   bash tests/run_all.sh -k routing   # extra arguments go to pytest
