@@ -17,6 +17,16 @@
 #define TUTEL_ERROR_EXPERT_INDEX 0
 #define TUTEL_ERROR_NEGATIVE_LOCATION 1
 
+/* tutel::route_experts (route_experts.cu): the score functions (as csrc/core's ScoreFunction),
+ * the most tokens per chunk and groups of experts its shared memory holds, and the ints of its
+ * phase counters (in front of its int workspace; zeroed by the first kernel for the second). */
+#define TUTEL_SCORE_SOFTMAX 0
+#define TUTEL_SCORE_SIGMOID 1
+#define TUTEL_SCORE_SQRT_SOFTPLUS 2
+#define TUTEL_ROUTE_MAX_CHUNK_TOKENS 256
+#define TUTEL_ROUTE_MAX_GROUPS 256
+#define TUTEL_ROUTE_SYNC_INTS 8
+
 /* The first data error found on one device since it was last read (device
  * memory).  Only the first launch that fails (the one whose call_id it holds)
  * records, and among its bad entries the smallest key wins:

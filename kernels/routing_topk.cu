@@ -8,21 +8,6 @@
 #error "routing_topk.cu needs one -DTUTEL_DTYPE_<TYPE> option"
 #endif
 
-struct Candidate {
-  acc_t value;
-  int index;  // < 0: no candidate yet
-};
-
-// a ranks strictly before b.  Together with the index tie-break this is a
-// strict total order, so every lane of a warp agrees on the best candidate.
-__device__ __forceinline__ bool ranks_before(const Candidate& a, const Candidate& b) {
-  const bool a_nan = a.value != a.value;
-  const bool b_nan = b.value != b.value;
-  if (a_nan != b_nan) return a_nan;
-  if (!a_nan && a.value != b.value) return a.value > b.value;
-  return a.index < b.index;
-}
-
 // The best expert of `row` among those ranking after `previous` (all experts
 // when previous.index < 0).  Called by a whole warp; every lane gets the result.
 __device__ Candidate warp_best_after(const storage_t* row, i64 experts, Candidate previous) {
@@ -32,12 +17,7 @@ __device__ Candidate warp_best_after(const storage_t* row, i64 experts, Candidat
     if (previous.index >= 0 && !ranks_before(previous, c)) continue;
     if (best.index < 0 || ranks_before(c, best)) best = c;
   }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const Candidate other{__shfl_xor_sync(0xffffffffu, best.value, offset),
-                          __shfl_xor_sync(0xffffffffu, best.index, offset)};
-    if (other.index >= 0 && (best.index < 0 || ranks_before(other, best))) best = other;
-  }
-  return best;
+  return warp_best(best);
 }
 
 // One block per chunk of `chunk_tokens` tokens, one warp per token.  Writes
@@ -70,31 +50,10 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
   }
 }
 
-// Sort keys for batch-prioritized routing: ascending keys give descending
-// priority, NaN first, and -0 equal to +0; a stable sort of them then keeps
-// token order among equal priorities.  The key is the float's bits mapped to an
-// order-preserving signed integer (64-bit for float64 data).
-#if defined(TUTEL_DTYPE_FLOAT64)
-typedef long long sort_key_t;
-typedef unsigned long long sort_bits_t;
-__device__ __forceinline__ sort_bits_t value_bits(double v) { return (sort_bits_t)__double_as_longlong(v); }
-#else
-typedef int sort_key_t;
-typedef unsigned int sort_bits_t;
-__device__ __forceinline__ sort_bits_t value_bits(float v) { return __float_as_uint(v); }
-#endif
-
+// Sort keys for batch-prioritized routing (see priority_sort_key).
 extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
     priority_sort_keys(const storage_t* priority, i64 tokens, sort_key_t* keys) {
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
-  const sort_bits_t sign = (sort_bits_t)1 << (sizeof(sort_bits_t) * 8 - 1);
-  const acc_t value = to_acc(priority[t]) + acc_t(0);  // -0 + 0 == +0
-  if (value != value) {
-    keys[t] = (sort_key_t)sign;  // the most negative key: NaN claims slots first
-    return;
-  }
-  const sort_bits_t bits = value_bits(value);
-  const sort_bits_t ascending = (bits & sign) ? ~bits : (bits | sign);  // monotone in value
-  keys[t] = (sort_key_t)(~ascending ^ sign);  // reversed, then offset into the signed range
+  keys[t] = priority_sort_key(to_acc(priority[t]));
 }

@@ -64,9 +64,8 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
 // memory when the table is at most this many ints (8 warps x 4 KiB).
 #define TUTEL_ASSIGN_CACHE_INTS 1024
 
-// Step 3: one warp per chunk, 32 positions at a time.  Lanes that picked the
-// same expert find each other with __match_any_sync and take consecutive
-// slots in lane (= claiming) order.
+// Step 3: one warp per chunk, 32 positions at a time (claim_slots: lanes that
+// picked the same expert take consecutive slots in lane = claiming order).
 extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
     assign_slots(const int* indices, const int* order, i64 tokens, i64 k, i64 experts,
                  i64 chunk_tokens, i64 chunks, int* chunk_offsets, int* locations) {
@@ -83,7 +82,6 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
   }
   const i64 first = chunk * chunk_tokens;
   const i64 last = chunk_end(first, chunk_tokens, tokens);
-  const unsigned lanes_before = (1u << lane) - 1u;
   for (i64 j = 0; j < k; ++j) {
     int* next_j = next_slot + j * experts;
     for (i64 base = first; base < last; base += 32) {
@@ -92,14 +90,7 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
       const i64 t = active ? (order ? order[pos] : pos) : 0;
       const int e = active ? indices[j * tokens + t] : -1;
       const bool valid = active && e >= 0 && e < experts;
-      // Lanes without a valid expert get a key of their own (negative, so it
-      // never equals an expert index).
-      const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1 - (int)lane);
-      int slot = 0;
-      if (valid) slot = next_j[e] + __popc(peers & lanes_before);
-      __syncwarp();  // every lane has read next_j before the leader moves it on
-      if (valid && lane == (unsigned)(__ffs(peers) - 1)) next_j[e] += __popc(peers);
-      __syncwarp();
+      const int slot = claim_slots(next_j, e, valid);
       if (active) locations[j * tokens + t] = valid ? slot : TUTEL_INVALID_LOCATION;
     }
   }

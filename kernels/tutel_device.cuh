@@ -76,6 +76,56 @@ struct alignas(sizeof(storage_t) * N) Pack {
 
 // Elements per 16-byte access.
 #define TUTEL_VECTOR_WIDTH ((int)(16 / sizeof(storage_t)))
+
+// An expert (or group of experts) and the score it is ranked by; index < 0: none yet.
+struct Candidate {
+  acc_t value;
+  int index;
+};
+
+// a ranks strictly before b: NaN first, then larger values, equal values (and +0 / -0) to the
+// lower index, as the CPU's top-k.  A strict total order, so every lane of a warp agrees on the
+// best candidate.
+__device__ __forceinline__ bool ranks_before(const Candidate& a, const Candidate& b) {
+  const bool a_nan = a.value != a.value;
+  const bool b_nan = b.value != b.value;
+  if (a_nan != b_nan) return a_nan;
+  if (!a_nan && a.value != b.value) return a.value > b.value;
+  return a.index < b.index;
+}
+
+// The best of the candidates the lanes of a whole warp hold (a lane may hold none); every lane
+// gets it.
+__device__ __forceinline__ Candidate warp_best(Candidate best) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Candidate other{__shfl_xor_sync(0xffffffffu, best.value, offset),
+                          __shfl_xor_sync(0xffffffffu, best.index, offset)};
+    if (other.index >= 0 && (best.index < 0 || ranks_before(other, best))) best = other;
+  }
+  return best;
+}
+
+// Sort keys for batch-prioritized routing: ascending keys give descending priority, NaN first,
+// and -0 equal to +0; a stable sort of them then keeps token order among equal priorities.  The
+// key is the value's bits mapped to an order-preserving signed integer (64-bit for float64 data).
+#if defined(TUTEL_DTYPE_FLOAT64)
+typedef long long sort_key_t;
+typedef unsigned long long sort_bits_t;
+__device__ __forceinline__ sort_bits_t value_bits(double v) { return (sort_bits_t)__double_as_longlong(v); }
+#else
+typedef int sort_key_t;
+typedef unsigned int sort_bits_t;
+__device__ __forceinline__ sort_bits_t value_bits(float v) { return __float_as_uint(v); }
+#endif
+
+__device__ __forceinline__ sort_key_t priority_sort_key(acc_t priority) {
+  const sort_bits_t sign = (sort_bits_t)1 << (sizeof(sort_bits_t) * 8 - 1);
+  const acc_t value = priority + acc_t(0);  // -0 + 0 == +0
+  if (value != value) return (sort_key_t)sign;  // the most negative key: NaN claims slots first
+  const sort_bits_t bits = value_bits(value);
+  const sort_bits_t ascending = (bits & sign) ? ~bits : (bits | sign);  // monotone in value
+  return (sort_key_t)(~ascending ^ sign);  // reversed, then offset into the signed range
+}
 #endif
 
 // Lanes of the calling thread's group when a warp is split into groups of
@@ -132,6 +182,22 @@ __device__ T warp_exclusive_scan_strided(T* values, i64 count, i64 stride, T sta
     running += __shfl_sync(0xffffffffu, inclusive, 31);
   }
   return running;
+}
+
+// Slot hand-out for 32 choices at once (a whole warp): each lane whose `expert` is valid takes the
+// next free slot of that expert, next[expert], lanes of one expert in lane order, and the expert's
+// next free slot moves past them all.  Returns the lane's slot (0 for an invalid lane).  `next` is
+// private to the warp (shared memory, or global memory only this warp uses: hence volatile).
+__device__ __forceinline__ int claim_slots(volatile int* next, int expert, bool valid) {
+  const unsigned lane = threadIdx.x & 31u;
+  // Lanes without a valid expert get a key of their own (negative, so it never equals an expert).
+  const unsigned peers = __match_any_sync(0xffffffffu, valid ? expert : -1 - (int)lane);
+  int slot = 0;
+  if (valid) slot = next[expert] + __popc(peers & ((1u << lane) - 1u));
+  __syncwarp();  // every lane has read next before the leader moves it on
+  if (valid && lane == (unsigned)(__ffs(peers) - 1)) next[expert] += __popc(peers);
+  __syncwarp();
+  return slot;
 }
 
 // Records a bad (choice, token) entry: see TutelErrorRecord in kernel_abi.h.

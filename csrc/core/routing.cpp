@@ -40,6 +40,17 @@ inline void insert_candidate(A value, int32_t index, int64_t k, int64_t& filled,
 // Above this k, a partial sort beats repeated insertion.
 constexpr int64_t kInsertionLimit = 32;
 
+// order[0, k) = the k best indices of values[0, n) by a partial sort (order holds n entries).
+template <class A>
+void partial_sort_top_k(const A* values, int64_t k, std::vector<int32_t>& order) {
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+    if (ranks_above(values[a], values[b])) return true;
+    if (ranks_above(values[b], values[a])) return false;
+    return a < b;
+  });
+}
+
 // Scores examined at once by the skip test below, and the expert count from
 // which the test pays: with few experts the list's k-th best is still low when
 // the blocks arrive, most blocks pass and the test is extra work (measured: 15%
@@ -89,12 +100,7 @@ void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
         }
       } else {
         for (int64_t e = 0; e < experts; ++e) row_values[e] = Scalar<S>::load(row[e]);
-        std::iota(order.begin(), order.end(), 0);
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-          if (ranks_above(row_values[a], row_values[b])) return true;
-          if (ranks_above(row_values[b], row_values[a])) return false;
-          return a < b;
-        });
+        partial_sort_top_k(row_values.data(), k, order);
         for (int64_t j = 0; j < k; ++j) best_indices[j] = order[j];
       }
       for (int64_t j = 0; j < k; ++j) {
@@ -104,6 +110,25 @@ void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
     }
   });
 }
+
+template <class A>
+RowTopK<A>::RowTopK(int64_t n, int64_t k)
+    : n_(n), k_(k), best_values_(k), best_indices_(k), order_(k > kInsertionLimit ? n : 0) {}
+
+template <class A>
+const int32_t* RowTopK<A>::select(const A* values) {
+  if (k_ > kInsertionLimit) {
+    partial_sort_top_k(values, k_, order_);
+    return order_.data();
+  }
+  int64_t filled = 0;
+  for (int64_t e = 0; e < n_; ++e)
+    insert_candidate(values[e], int32_t(e), k_, filled, best_values_.data(), best_indices_.data());
+  return best_indices_.data();
+}
+
+template class RowTopK<float>;
+template class RowTopK<double>;
 
 Status assign_locations(const int32_t* indices, int64_t tokens, int64_t k, int64_t experts,
                         const int32_t* order, int32_t* locations, int32_t* counts) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "scalar.h"
 #include "status.h"
@@ -21,6 +22,21 @@ namespace core {
 template <class S>
 void select_topk(const S* scores, int64_t tokens, int64_t experts, int64_t k,
                  int32_t* indices, S* gates);
+
+// The k best of single rows of n values (A: float or double) under select_topk's ranking, best
+// first, reusing its buffers from row to row (one object per thread).
+template <class A>
+class RowTopK {
+ public:
+  RowTopK(int64_t n, int64_t k);
+  // The indices of the k best of values[0, n), best first; valid until the next call.
+  const int32_t* select(const A* values);
+
+ private:
+  int64_t n_, k_;
+  std::vector<A> best_values_;
+  std::vector<int32_t> best_indices_, order_;
+};
 
 // Batch-prioritized routing: the order in which tokens claim slots.  Tokens
 // with a higher priority (their top-1 score) come first; equal priorities keep

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/route_experts.h"
+
 namespace tutel {
 namespace cuda {
 namespace {
@@ -92,6 +94,26 @@ ScatterPlan plan_scatter(int64_t tokens, int64_t k, int64_t experts, int64_t cap
   plan.shared_blocks = std::max<int64_t>(1, std::min<int64_t>(plan.row_grid.x, multiprocessors));
   return plan;
 }
+
+RouteExpertsPlan plan_route_experts(int64_t tokens, int64_t experts, int64_t k, int64_t capacity, bool prioritized,
+                                    bool loss) {
+  RouteExpertsPlan plan;
+  plan.chunk_tokens = core::route_experts_chunk_tokens(tokens);
+  plan.chunks = core::route_experts_chunks(tokens);
+  plan.rows = core::route_experts_rows(tokens, experts, k, capacity);
+  plan.table_ints = plan.chunks * k * experts;
+  plan.int_workspace_ints = TUTEL_ROUTE_SYNC_INTS + plan.table_ints + (prioritized ? 2 * tokens : 0);
+  plan.acc_workspace = loss ? (plan.chunks + 1) * experts : 0;
+  plan.key_workspace = prioritized ? tokens : 0;
+  plan.rank_blocks = prioritized ? blocks_for(tokens, TUTEL_BLOCK_THREADS) : 0;
+  plan.count_blocks = prioritized ? plan.chunks : 0;
+  plan.assign_blocks = blocks_for(plan.chunks, kWarpsPerBlock);
+  plan.route_grid = Grid{plan.chunks, 1};
+  plan.plan_grid = Grid{plan.rank_blocks + plan.count_blocks + experts + plan.assign_blocks, 1};
+  return plan;
+}
+
+Grid plan_route_experts_backward(int64_t tokens) { return Grid{blocks_for(tokens, kWarpsPerBlock), 1}; }
 
 }  // namespace cuda
 }  // namespace tutel

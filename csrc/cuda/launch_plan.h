@@ -106,5 +106,31 @@ ScatterPlan plan_scatter(int64_t tokens, int64_t k, int64_t experts, int64_t cap
                          int64_t model_dim, int64_t element_size, int multiprocessors,
                          std::initializer_list<const void*> row_pointers);
 
+// ---------------------------------------------------- route_experts.cu --
+// route_experts_route: one block per chunk of chunk_tokens tokens (at least one block); then
+// route_experts_plan, whose blocks take roles in the order they start: rank_blocks (batch-
+// prioritized: one thread per token's claiming position), count_blocks (batch-prioritized: one
+// per chunk of positions), one per expert (the scan), assign_blocks (one warp per chunk).
+// Scratch: int_workspace_ints ints (the phase counters, the table [chunks, k, experts], and for
+// batch-prioritized routing the sorted runs' tokens and the claiming order [tokens] each),
+// acc_workspace (the loss's chunk sums [chunks, experts] and column sums [experts]) and key_workspace
+// (the runs' priority keys [tokens]) elements.  route_experts_backward: one warp per token.
+struct RouteExpertsPlan {
+  int64_t chunk_tokens = 0;
+  int64_t chunks = 0;
+  int64_t rows = 0;  // of the grouped buffer
+  int64_t table_ints = 0;
+  int64_t int_workspace_ints = 0;
+  int64_t acc_workspace = 0;
+  int64_t key_workspace = 0;
+  int64_t rank_blocks = 0, count_blocks = 0, assign_blocks = 0;
+  Grid route_grid;
+  Grid plan_grid;
+};
+// `prioritized` and `loss` as the kernels take them (false without tokens).
+RouteExpertsPlan plan_route_experts(int64_t tokens, int64_t experts, int64_t k, int64_t capacity, bool prioritized,
+                                    bool loss);
+Grid plan_route_experts_backward(int64_t tokens);
+
 }  // namespace cuda
 }  // namespace tutel

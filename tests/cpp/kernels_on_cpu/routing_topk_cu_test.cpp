@@ -36,20 +36,7 @@ void PrintTo(const Case& c, std::ostream* out) { *out << "T=" << c.tokens << " E
 // Scores with many ties (multiples of 1/4 in [-2, 2]), and NaN, +-0 and +-inf
 // sprinkled in: every rule of the ranking is exercised.
 std::vector<storage_t> random_scores(const Case& c, std::mt19937& rng) {
-  std::uniform_int_distribution<int> quarter(-8, 8), special(0, 40);
-  std::vector<storage_t> scores(static_cast<size_t>(c.tokens * c.experts));
-  for (auto& s : scores) {
-    float v = float(quarter(rng)) / 4;
-    switch (special(rng)) {
-      case 0: v = std::numeric_limits<float>::quiet_NaN(); break;
-      case 1: v = -0.0f; break;
-      case 2: v = std::numeric_limits<float>::infinity(); break;
-      case 3: v = -std::numeric_limits<float>::infinity(); break;
-      default: break;
-    }
-    s = storage_of(v);
-  }
-  return scores;
+  return tied_values(static_cast<size_t>(c.tokens * c.experts), 8, 40, rng);
 }
 
 struct Routing {
