@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from _common import interleaved_medians
 from tutel import moe
-from tutel.impls.capacity import expert_capacity
+from tutel.rules.capacity import expert_capacity
 
 
 def build_layer(model_dim: int, hidden: int, experts: int, top_k: int, dtype: torch.dtype,

@@ -25,7 +25,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import tutel  # noqa: E402
-from tutel.impls.capacity import expert_capacity  # noqa: E402
+from tutel.rules.capacity import expert_capacity  # noqa: E402
 
 SHAPES = {  # name: (tokens, experts, top_k, model_dim)
     "seed top-2": (32 * 1024, 8, 2, 2048),

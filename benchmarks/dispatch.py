@@ -18,7 +18,7 @@ from _common import (format_table, interleaved_medians, load_average, parse_args
                      retain_freed_memory, use_mmap_for_large_blocks, write_result)
 from tutel import ops
 from tutel.impls import losses
-from tutel.impls.capacity import expert_capacity
+from tutel.rules.capacity import expert_capacity
 from tutel.impls.fast_dispatch import extract_critical
 
 # (T, M, E, k): the layer benchmark's 64-expert shape, and one whose buffers exceed the caches.

@@ -25,12 +25,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-import tutel
 from tutel import cuda as tutel_cuda
+from tutel._version import __version__
 from tutel.cuda_libraries import nvrtc_search_dirs
 from tutel.ops import composite
 from tutel.ops.backend import BACKEND_VARIABLE, CUDA_BACKENDS, SELF_CHECK_VARIABLE
 from tutel.ops.self_check import FULL_SIZES, OPERATORS, QUICK_SIZES, compare_operators, count_cases
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # the installed tutel package
 
 _ENVIRONMENT_VARIABLES = (BACKEND_VARIABLE, SELF_CHECK_VARIABLE, "TUTEL_KERNEL_CACHE", "TUTEL_NVRTC_LIBRARY",
                           "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES")
@@ -74,7 +76,7 @@ def print_environment(report: Report) -> None:
     report.section("environment")
     report.line("python", f"{platform.python_version()} ({sys.executable})")
     report.line("platform", platform.platform())
-    report.line("tutel", f"{tutel.__version__} ({os.path.dirname(os.path.abspath(tutel.__file__))})")
+    report.line("tutel", f"{__version__} ({_PACKAGE_DIR})")
     report.line("pytorch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'})")
     report.line("tutel built with CUDA", tutel_cuda.is_built())
     for name in _ENVIRONMENT_VARIABLES:
@@ -156,7 +158,7 @@ def check_gpu(report: Report, device: torch.device, sizes: Sequence) -> None:
 
 def run_cuda_test_files(report: Report) -> None:
     """Runs the CUDA test files of a source checkout with pytest, when both are there."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(tutel.__file__))), "tests", "python")
+    tests = os.path.join(os.path.dirname(_PACKAGE_DIR), "tests", "python")
     files = [os.path.join(tests, name) for name in _CUDA_TEST_FILES if os.path.isfile(os.path.join(tests, name))]
     report.section("CUDA test files")
     if not files:

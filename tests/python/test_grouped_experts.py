@@ -178,8 +178,8 @@ def record_lean_calls(layer):
 
 
 def forbid(monkeypatch, name):
-    """Makes tutel.experts._grouped's `name` (one of the two inference paths) fail when called."""
-    import tutel.experts._grouped as grouped
+    """Makes `name` (one of the two inference paths of tutel.impls.layer_paths) fail when called."""
+    import tutel.impls.layer_paths as grouped
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"{name} ran")
@@ -289,16 +289,16 @@ def test_grouped_path_with_grad_or_prescore_keeps_autograd():
     assert not lean and len(grouped) == 1
 
 
-def test_choice_table_reuses_only_the_unbound_table():
-    from tutel.experts._grouped import _choice_table
+def testchoice_table_reuses_only_the_unbound_table():
+    from tutel.experts._grouped import choice_table
     table = torch.arange(12, dtype=torch.int32).view(3, 4).clone()  # not itself a view, as the routing's tables
-    assert _choice_table(list(table.unbind(0))) is table
+    assert choice_table(list(table.unbind(0))) is table
     for choices in (list(table.unbind(0))[::-1], list(table.unbind(0))[:2], [t.clone() for t in table.unbind(0)],
                     list(table.t().contiguous().t().unbind(0))):
         expected = torch.stack(choices)
-        got = _choice_table(choices)
+        got = choice_table(choices)
         assert torch.equal(got, expected)
-    assert _choice_table(table) is table
+    assert choice_table(table) is table
 
 
 def test_llama_weights_of_a_whole_shard_are_views_without_a_narrow():

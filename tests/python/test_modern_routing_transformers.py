@@ -47,16 +47,17 @@ def load_concatenated_experts(layer, experts):
                    down.transpose(1, 2))
 
 
-def capture_routing(layer):
-    """Records (expert ids [T, k], weights [T, k]) of the layer's next scored-routing calls."""
+def capture_routing(monkeypatch):
+    """Records (expert ids [T, k], weights [T, k]) of the next scored-routing calls of any layer."""
+    from tutel.impls import layer_routing
     records = []
-    original = layer._route_scored
+    original = layer_routing.route_scored
 
-    def recording(*args):
-        crit, l_aux = original(*args)
+    def recording(*args, **kwargs):
+        crit, l_aux = original(*args, **kwargs)
         records.append((torch.stack(crit.indices_s, 1).long(), torch.stack(crit.gates_s, 1)))
         return crit, l_aux
-    layer._route_scored = recording
+    monkeypatch.setattr(layer_routing, "route_scored", recording)
     return records
 
 
@@ -82,7 +83,7 @@ def compare_blocks(block, layer, x, **tolerance):
     torch.testing.assert_close(x_layer.grad, x_block.grad, **tolerance)
 
 
-def test_deepseek_v3_block():
+def test_deepseek_v3_block(monkeypatch):
     config = configuration_deepseek_v3.DeepseekV3Config(
         hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, n_routed_experts=12, num_experts_per_tok=3,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=2)
@@ -97,7 +98,7 @@ def test_deepseek_v3_block():
     load_concatenated_experts(layer, block.experts)
     layer.shared_experts.load_state_dict(block.shared_experts.state_dict())
     x = torch.randn(3, 7, HIDDEN, dtype=torch.float64)
-    records = capture_routing(layer)
+    records = capture_routing(monkeypatch)
     compare_blocks(block, layer, x, **FLOAT32_ROUTER)
     _, expected_weights, expected_ids = block.gate(x)
     same_choices(*records[0], expected_ids, expected_weights, **FLOAT32_ROUTER)
@@ -131,7 +132,7 @@ def test_mixtral_block_with_tutels_default_routing():
     compare_blocks(block, layer, torch.randn(2, 9, HIDDEN, dtype=torch.float64), **FLOAT32_ROUTER)
 
 
-def test_qwen3_moe_block_and_its_balance_loss():
+def test_qwen3_moe_block_and_its_balance_loss(monkeypatch):
     config = configuration_qwen3_moe.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE,
                                                     num_experts=9, num_experts_per_tok=4, norm_topk_prob=True)
     block = randomize(modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config))
@@ -141,7 +142,7 @@ def test_qwen3_moe_block_and_its_balance_loss():
         layer.gates[0].wg.weight.copy_(block.gate.weight)
     load_concatenated_experts(layer, block.experts)
     x = torch.randn(2, 11, HIDDEN, dtype=torch.float64)
-    records = capture_routing(layer)
+    records = capture_routing(monkeypatch)
     compare_blocks(block, layer, x, **FLOAT32_ROUTER)
     logits, expected_weights, expected_ids = block.gate(x)
     same_choices(*records[0], expected_ids, expected_weights, **FLOAT32_ROUTER)
@@ -165,7 +166,7 @@ def test_qwen2_moe_block_with_gated_shared_expert():
     compare_blocks(block, layer, torch.randn(2, 9, HIDDEN, dtype=torch.float64), **FLOAT32_ROUTER)
 
 
-def test_gpt_oss_block():
+def test_gpt_oss_block(monkeypatch):
     config = configuration_gpt_oss.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                                                 num_local_experts=9, num_experts_per_tok=3)
     block = randomize(modeling_gpt_oss.GptOssMLP(config))
@@ -178,7 +179,7 @@ def test_gpt_oss_block():
         layer.gates[0].wg.bias.copy_(block.router.bias)
     layer.experts.load_state_dict(block.experts.state_dict())
     x = torch.randn(2, 8, HIDDEN, dtype=torch.float64)
-    records = capture_routing(layer)
+    records = capture_routing(monkeypatch)
     compare_blocks(block, layer, x, rtol=1e-10, atol=1e-10)
     _, expected_weights, expected_ids = block.router(x.reshape(-1, HIDDEN))
     same_choices(*records[0], expected_ids, expected_weights, rtol=1e-12, atol=1e-12)

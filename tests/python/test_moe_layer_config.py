@@ -1,5 +1,6 @@
 """moe_layer construction, state_dict compatibility and bad input."""
 import logging
+import warnings
 
 import pytest
 import torch
@@ -118,11 +119,57 @@ def test_legacy_gate_string_and_count_per_node():
         moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, experts=ffn(1), pad_samples=True)
 
 
-def test_gate_k_is_reduced_to_expert_count_and_env_defaults(monkeypatch):
-    layer = moe.moe_layer(gate_type={"type": "top", "k": 4}, model_dim=8, experts=ffn(2))
-    assert layer.gates[0].top_k == 2
+def test_gate_k_is_reduced_to_expert_count_with_a_warning_and_env_defaults(monkeypatch):
+    for gate_type in ("top", "cosine_top"):
+        with pytest.warns(UserWarning, match=r"gate_type: k=4 exceeds num_global_experts=2 \(allowed: 1 <= k <= 2\); "
+                                             r"the gate uses k=2"):
+            layer = moe.moe_layer(gate_type={"type": gate_type, "k": 4}, model_dim=8, experts=ffn(2))
+        assert layer.gates[0].top_k == 2
     monkeypatch.setenv("CAP_FACTOR", "0.25")
     assert moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, experts=ffn(2)).gates[0].capacity_factor == 0.25
+    monkeypatch.setenv("CAP_FACTOR", "abc")
+    with pytest.raises(ValueError, match="CAP_FACTOR='abc' must be a finite number"):
+        moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, experts=ffn(2))
+
+
+@pytest.mark.parametrize("option, error, match", [
+    # the gate dict's values get the rules and messages of forward's switches (test_forward_bad_input)
+    ({"k": "two"}, TypeError, "gate_type: `k` must be an integer, got str"),
+    ({"k": 1.5}, TypeError, "gate_type: `k` must be an integer, got float"),
+    ({"k": 0}, ValueError, "gate_type: `k` must be >= 1, got 0"),
+    ({"capacity_factor": "abc"}, TypeError, "gate_type: `capacity_factor` must be a number, got str"),
+    ({"capacity_factor": float("inf")}, ValueError, "gate_type: `capacity_factor` must be a finite number"),
+    ({"gate_noise": "abc"}, TypeError, "gate_type: `gate_noise` must be a number, got str"),
+    ({"gate_noise": -0.5}, ValueError, "gate_type: `gate_noise` must be >= 0"),
+])
+def test_gate_dict_bad_values_name_the_option(option, error, match):
+    with pytest.raises(error, match=match):
+        moe.moe_layer(gate_type={"type": "top", "k": 1, **option}, model_dim=8, experts=ffn(2))
+
+
+def test_per_call_switch_and_gate_option_share_the_rule():
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, experts=ffn(2))
+    with pytest.raises(TypeError, match="moe_layer.forward: `top_k` must be an integer, got str"):
+        layer(torch.randn(3, 8), top_k="two")
+    with pytest.raises(TypeError, match="moe_layer.forward: `capacity_factor` must be a number, got str"):
+        layer(torch.randn(3, 8), capacity_factor="abc")
+
+
+def test_tokens_of_another_dtype_are_computed_in_the_layers_dtype_with_a_warning():
+    torch.manual_seed(3)
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=8, experts=ffn(2))  # float32
+    x = torch.randn(5, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="the input is torch.float64 but the experts' parameters are torch.float32; "
+                                         "the layer computes in torch.float32 and returns torch.float64"):
+        y = layer(x)
+    assert y.dtype == torch.float64
+    # computed in float32: exactly the float32 call's values, widened
+    torch.testing.assert_close(y, layer(x.float()).double(), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x.float())  # the layer's own dtype: no warning
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x.float())  # autocast chooses the dtype: no warning either
 
 
 def test_fp32_gate_stays_float32():
@@ -172,7 +219,7 @@ def test_result_func():
     (dict(experts={"type": "ffn", "hidden_size_per_expert": 4, "bogus": 1}), TypeError, "bogus"),
     (dict(gate_type={"type": "top", "k": 1, "batch_prioritized_routing": True}), ValueError,
      "argument of moe_layer"),
-    (dict(gate_type={"type": "top", "k": 0}), ValueError, "k must be an integer >= 1"),
+    (dict(gate_type={"type": "top", "k": 0}), ValueError, "gate_type: `k` must be >= 1, got 0"),
     (dict(gate_type={"type": "nope"}), ValueError, "Unrecognized gate_type"),
     (dict(gate_type="Top2"), ValueError, "Unrecognized gate_type"),
     (dict(gate_type=[]), ValueError, "non-empty list"),

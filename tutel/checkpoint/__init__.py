@@ -14,7 +14,7 @@ See docs/checkpoints.md.
 """
 from .layouts import ShapeError
 from .loading import load_resharded
-from ..impls.placement import Placement
+from ..rules.placement import Placement
 from .reshard import ExpertCoverageError, gather_state_dicts, reshard_state_dicts, scatter_state_dict
 
 __all__ = ["ExpertCoverageError", "Placement", "ShapeError", "gather_state_dicts", "load_resharded",

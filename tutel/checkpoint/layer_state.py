@@ -10,7 +10,7 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from ..collectives import get_world_rank
-from ..impls.placement import Placement
+from ..rules.placement import Placement
 from .layouts import ShapeError, layout_of
 from .reshard import ExpertTensors, layer_name, stored_for_rank
 from .state_dicts import EXPERTS, PLACEMENT_KEY, record_placement

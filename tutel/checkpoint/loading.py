@@ -11,7 +11,7 @@ from typing import Dict, Optional
 import torch
 
 from .files import rank_files, read_states
-from ..impls.placement import Placement
+from ..rules.placement import Placement
 from .layer_state import expert_full_sizes_of, layer_rank
 from .reshard import check_shared_params, layer_name, stored_for_rank, whole_experts
 from .state_dicts import COUNT_SUFFIX, EXPERTS, find_moe_layers, new_state, record_placement

@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tup
 import torch
 
 from .layouts import FLAT, PADDED, ShapeError, layout_of
-from ..impls.placement import Placement
+from ..rules.placement import Placement
 from .state_dicts import (
     COUNT_SUFFIX,
     EXPERTS,

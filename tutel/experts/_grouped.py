@@ -6,17 +6,12 @@ experts' rows one after another, ``rows[e] = min(ceil(load_e / b) * b, capacity)
 there is no [E, C, M] buffer padded to the busiest expert at all.  Built-in experts run their
 GEMMs on that buffer with ``tutel.ops.expert_linear(..., group_rows=rows)``.
 """
-import math
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..impls.capacity import align_up
-from ..ops.precision import gemm_dtype
-from .routed import (combine_without_grad, cpu_without_grad, fits_one_call, gated_experts_in_one_call, piece_rows,
-                     plan_routing)
+from ..rules.capacity import align_up
 
 
 def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
@@ -25,11 +20,6 @@ def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> Li
     Reads the counts on the host (one synchronisation, by design: the shapes depend on them)."""
     loads = dispatch_count.tolist()
     return [min(align_up(int(load), block), capacity) for load in loads]
-
-
-def supports_grouped(experts: torch.nn.Module) -> bool:
-    """Whether `experts` can run on the grouped layout (``forward_grouped(x, group_rows, ctx)``)."""
-    return callable(getattr(experts, "forward_grouped", None))
 
 
 def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tensor, int]":
@@ -42,7 +32,7 @@ def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tenso
 
     Returns (indices [k, T] of zeros, locations [k, T], N)."""
     num_experts, indices_s, locations_s, _, capacity = crit[:5]
-    indices, locations = _choice_table(indices_s), _choice_table(locations_s)
+    indices, locations = choice_table(indices_s), choice_table(locations_s)
     total = sum(rows)
     starts = torch.tensor([0] + rows[:-1], dtype=torch.int64, device=indices.device).cumsum(0)
     grouped = (starts[indices.long().clamp(min=0)] + locations).to(torch.int32)
@@ -52,7 +42,7 @@ def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tenso
     return torch.zeros_like(indices), grouped, total
 
 
-def _choice_table(choices) -> torch.Tensor:
+def choice_table(choices) -> torch.Tensor:
     """[k, T] from Tutel's list of k [T] tensors (or a [k, T] tensor).  The lists of
     extract_critical are the rows of one [k, T] tensor (unbind): that tensor is used as it is."""
     if not isinstance(choices, (list, tuple)):
@@ -63,64 +53,6 @@ def _choice_table(choices) -> torch.Tensor:
             c.shape[0] == base.shape[1] and c.stride(0) == base.stride(1) for j, c in enumerate(choices)):
         return base
     return torch.stack(list(choices))
-
-
-def _run_without_grad(layer, x: torch.Tensor, crit, dropless: bool) -> Optional[torch.Tensor]:
-    """The grouped path on CPU when nothing is differentiated or traced, for experts with
-    ``grouped_products(ctx, dtype)``: the kept choices grouped by tutel's counting pass and run in
-    pieces by tutel.experts.routed.combine_without_grad (no [N, M] buffer of all choices, no
-    autograd wrappers), or for SwiGLU experts at small sizes (``gated_weights(ctx, dtype)``: their
-    [L, M, H] gate and up and [L, H, M] down matrices; routed.fits_one_call) in one operator call.
-    Only the blocks' padding rows, which hold zeros and are never read back, are not computed.
-    None where it does not apply."""
-    make = getattr(layer.experts, "grouped_products", None)
-    if make is None or not cpu_without_grad(x, *layer.experts.parameters()):
-        return None
-    num_experts, indices_s, locations_s, gates_s, capacity = crit[:5]
-    indices, locations, gates = _choice_table(indices_s), _choice_table(locations_s), _choice_table(gates_s)
-    dtype = gemm_dtype(x.dtype, x.device, indices.numel() / max(num_experts, 1))
-    expert_ids = indices
-    # Nothing is dropped when the call is dropless (the capacity is the largest load) or the
-    # capacity reaches T (an expert receives at most T choices).
-    if not dropless and capacity < indices.shape[1]:
-        # Dropped choices (past the capacity, or Tutel's negative "not dispatched" index) get id E.
-        kept = (locations < capacity) & (indices >= 0)
-        expert_ids = torch.where(kept, indices, torch.full_like(indices, num_experts))
-    gated = getattr(layer.experts, "gated_weights", None)
-    weights = gated(layer, dtype) if gated is not None and fits_one_call(expert_ids.numel()) else None
-    if weights is not None:  # SwiGLU experts: the whole call in one operator
-        gate_w, up_w, down_w = weights
-        y = gated_experts_in_one_call(x.to(dtype), expert_ids.t(), gates.t(), up_w, down_w, gate_weight=gate_w,
-                                      transposed=True)
-    else:
-        products = make(layer, dtype)
-        if products is None:
-            return None
-        run, row_bytes = products
-        y = combine_without_grad(x.to(dtype), gates.t(), plan_routing(expert_ids.t(), num_experts), run,
-                                 piece_rows(row_bytes))
-    layer.protected_shape = y.shape
-    return y.to(x.dtype)
-
-
-def run_grouped_experts(layer, x: torch.Tensor, crit, reserve_shape, block: int, is_postscore: bool,
-                        dropless: bool = False) -> torch.Tensor:
-    """Dispatch, experts and combine of one MoE call on the grouped layout; returns [T, O].
-
-    `dropless`: crit comes from a dropless call (capacity_factor = 0), so no choice is past the
-    capacity.  Sets ``layer.protected_shape`` to the experts' output shape, as the padded path does."""
-    if is_postscore and len(reserve_shape) == 1:
-        y = _run_without_grad(layer, x, crit, dropless)
-        if y is not None:
-            return y
-    rows = occupied_rows(layer.local_dispatch_count, crit[4], block)
-    indices, locations, total = grouped_locations(crit, rows)
-    gates = crit[3]
-    grouped = ops.encode(x, indices, locations, 1, total, gates=None if is_postscore else gates)
-    y = layer.experts.forward_grouped(grouped.view(total, *reserve_shape), rows, layer)
-    layer.protected_shape = y.shape
-    y = y.reshape(1, total, math.prod(y.shape[1:]))
-    return ops.decode(y, indices, locations, gates=gates if is_postscore else None)
 
 
 def grouped_apply(x: torch.Tensor, rows: List[int],

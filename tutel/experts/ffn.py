@@ -119,12 +119,15 @@ class FusedExpertsNetwork(torch.nn.Module):
         y = self._mlp(flatten_features(x, self.model_dim, self.output_dim, batch_dims=1), ctx, group_rows)
         return y.view(x.shape) if x.dim() > 2 else y
 
-    def grouped_products(self, ctx, dtype: torch.dtype) -> Optional[Tuple[Callable, int]]:
-        """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
+    @property
+    def offers_grouped_products(self) -> bool:
+        """Whether grouped_products applies (not with SKIP_EXPERT, where the experts are the identity)."""
+        return not self.skip_expert
+
+    def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.impls.layer_paths):
         ``run(rows, plan)`` computes every grouped row's expert with the parameters in `dtype`;
-        `row_bytes` is one row's hidden activations.  None with SKIP_EXPERT (the identity)."""
-        if self.skip_expert:
-            return None
+        `row_bytes` is one row's hidden activations."""
         fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else widened(p, dtype) for p in self.weights_for(ctx))
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:

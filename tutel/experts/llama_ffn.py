@@ -1,5 +1,5 @@
 """SwiGLU experts as in LLaMA (Tutel's ``{'type': 'llama_ffn'}``): y = (act(x W1) * (x W2)) W3."""
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,18 +79,24 @@ class LlamaFFNNetwork(torch.nn.Module):
         y = self._swiglu(flatten_features(x, self.model_dim, self.model_dim, batch_dims=1), ctx, group_rows)
         return y.view(x.shape) if x.dim() > 2 else y
 
-    def gated_weights(self, ctx, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.experts._grouped) when
-        the activation is SiLU (the fused unit), else None."""
-        return self._weights_in(ctx, dtype) if self.activation_fn is F.silu else None
+    offers_grouped_products = True
+
+    @property
+    def offers_gated_weights(self) -> bool:
+        """Whether gated_weights applies: the activation is SiLU (the fused unit)."""
+        return self.activation_fn is F.silu
+
+    def gated_weights(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.impls.layer_paths)."""
+        return self._weights_in(ctx, dtype)
 
     def _weights_in(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The call's three weights in `dtype` (tutel.ops.precision.widened)."""
         w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
         return w1, w2, w3
 
-    def grouped_products(self, ctx, dtype: torch.dtype) -> Optional[Tuple[Callable, int]]:
-        """``(run, row_bytes)`` for the grouped path without autograd (tutel.experts._grouped):
+    def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.impls.layer_paths):
         ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;
         `row_bytes` is one row's gate and up intermediates."""
         w1, w2, w3 = self._weights_in(ctx, dtype)

@@ -38,18 +38,19 @@ float32 once experts average 32 rows or more (``tutel.ops.precision``); the resu
 dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in one
 call of tutel's ``routed_gated_experts`` operator.
 """
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 
 from .. import ops
 from .._extension import load_extension
-from ..impls.autocast import autocast_dtype
+from ..rules.autocast import autocast_dtype
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import gemm_dtype, widened
-from ..ops.tracing import direct_call_allowed, eager_without_grad
+from ..ops.tracing import direct_call_allowed, is_compiling
+from ..rules.paths import EXPERTS, Path, choose_path
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -245,10 +246,21 @@ def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights
     return operator(*tensors, bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)
 
 
-def cpu_without_grad(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call may take combine_without_grad: `x` on CPU, eager, and no gradient to any of
-    `x` and `tensors` (tutel.ops.tracing.eager_without_grad)."""
-    return x.device.type == "cpu" and eager_without_grad(x, *tensors)
+def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                  up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                  down_bias: Optional[torch.Tensor], unit: Optional[GatedUnit],
+                  post_fn: Optional[Callable]) -> Dict[str, object]:
+    """The facts of a routed_experts call (tutel.rules.paths.FACTS) for its tensors as they will be
+    computed (after autocast and widening)."""
+    device = x.device.type
+    return {
+        "device": device if device in ("cpu", "cuda") else "other",
+        "gradient": torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weights, up_weight, down_weight, up_bias, down_bias)),
+        "traced": is_compiling(),
+        "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
+        "rows_fit_one_call": fits_one_call(expert_ids.numel()),
+    }
 
 
 def gate_unit_of(gate: Union[None, str, GatedUnit]) -> Optional[GatedUnit]:
@@ -349,15 +361,15 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
         x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
     unit = gate_unit_of(gate)
-    lean = cpu_without_grad(x, weights, up_weight, down_weight, up_bias, down_bias)
-    if lean and unit is not None and post_fn is None and down_weight.dtype == x.dtype and \
-            fits_one_call(expert_ids.numel()):
+    path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
+                                              unit, post_fn)).path
+    if path is Path.EXPERTS_ONE_CALL:
         return gated_experts_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias,
                                          down_bias=down_bias, transposed=transposed, unit=unit).to(out_dtype)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
-    if lean:
+    if path is Path.EXPERTS_PIECES:
         return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
     rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
     out = experts(rows, plan)

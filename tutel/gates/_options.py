@@ -1,5 +1,8 @@
-"""Options every gate accepts besides its own constructor arguments."""
+"""Options every gate accepts besides its own constructor arguments, and the gate dict's k."""
+import warnings
 from typing import Dict
+
+from ..ops.checks import require_int
 
 # Per-gate routing options stored on the gate object (read by the MoE layer).
 ROUTING_OPTIONS = ("capacity_factor", "gate_noise")
@@ -23,7 +26,13 @@ def check_routing_options(options: Dict, gate_name: str) -> None:
 
 
 def clamp_top_k(k, num_global_experts: int) -> int:
-    """Tutel's rule for the gate's k: an integer >= 1, reduced to the expert count."""
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or int(k) != k or int(k) < 1:
-        raise ValueError(f"gate option k={k!r} is not allowed: k must be an integer >= 1")
-    return min(num_global_experts, int(k))
+    """The gate dict's k: an integer >= 1, checked as forward's top_k is (same messages); a k above
+    the expert count is reduced to it, as Tutel does (Tutel scripts rely on it, e.g. ``--top 2``
+    with one expert), with a warning naming both numbers."""
+    k = require_int(k, "k", "gate_type", minimum=1)
+    if k > num_global_experts:
+        warnings.warn(f"gate_type: k={k} exceeds num_global_experts={num_global_experts} (allowed: 1 <= k <= "
+                      f"{num_global_experts}); the gate uses k={num_global_experts}, as Tutel does. A per-call "
+                      f"top_k above the expert count raises instead.", UserWarning, stacklevel=4)
+        return num_global_experts
+    return k

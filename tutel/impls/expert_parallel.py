@@ -16,35 +16,38 @@ weights move (Tutel's zero-cost parallelism switching):
 ``a2a_ffn_overlap_degree = o > 1`` splits the capacity dim into o chunks whose exchanges
 run in the background while the experts work on earlier chunks; the result is the same.
 """
-from typing import List, Sequence
+from typing import Callable, List
 
 import torch
 
 from ..collectives.autograd_collectives import all_to_all
 
+LocalExperts = Callable[[torch.Tensor], torch.Tensor]  # [L, C', M] slots of the local experts -> [L, C', M']
 
-def run_experts_distributed(layer, y: torch.Tensor, reserve_shape: Sequence[int], overlap: int,
-                            adaptive_r: int) -> torch.Tensor:
-    """[E, C, M] dispatched tokens of this process -> [E, C, M'] expert outputs for them."""
+
+def run_experts_distributed(layer, y: torch.Tensor, overlap: int, adaptive_r: int,
+                            local_experts: LocalExperts) -> torch.Tensor:
+    """[E, C, M] dispatched tokens of this process -> [E, C, M'] expert outputs for them, with
+    `local_experts` running this process's experts on the slots it receives."""
     if adaptive_r == 0:
-        return layer.expert_local(y, reserve_shape)
+        return local_experts(y)
     world_size, num_experts = layer.world_size, layer.num_global_experts
     sharded = layer.sharded_count > 1
     if sharded:
         # [E, C, M] -> [E, r*C, M] -> [W, r*C/S, M]: process e*S+s gets part s of expert e's copies.
         y = y.repeat(1, adaptive_r, 1).view(world_size, -1, y.size(2))
-    y = _exchange_and_compute(layer, y, reserve_shape, overlap)
+    y = _exchange_and_compute(layer, y, overlap, local_experts)
     if sharded:
         y = y.view(num_experts, adaptive_r, -1, y.size(2)).sum(dim=1)
     return y
 
 
-def _exchange_and_compute(layer, y: torch.Tensor, reserve_shape: Sequence[int], overlap: int) -> torch.Tensor:
+def _exchange_and_compute(layer, y: torch.Tensor, overlap: int, local_experts: LocalExperts) -> torch.Tensor:
     """all_to_all(y, 1, 0) -> local experts -> all_to_all(., 0, 1), pipelined over `overlap` chunks."""
     group, use_2dh = layer.group, layer.use_2dh
     if overlap <= 1:
         y = all_to_all(y, 1, 0, group=group, use_2dh=use_2dh)
-        y = layer.expert_local(y, reserve_shape)
+        y = local_experts(y)
         return all_to_all(y, 0, 1, group=group, use_2dh=use_2dh)
     chunks = y.chunk(overlap, dim=1)
     # Start every chunk's exchange; each chunk's experts run while later chunks are in flight,
@@ -52,6 +55,6 @@ def _exchange_and_compute(layer, y: torch.Tensor, reserve_shape: Sequence[int], 
     arrivals = [all_to_all(chunk, 1, 0, group=group, use_2dh=use_2dh, background=True) for chunk in chunks]
     departures: List = []
     for arrival in arrivals:
-        computed = layer.expert_local(arrival(), reserve_shape)
+        computed = local_experts(arrival())
         departures.append(all_to_all(computed, 0, 1, group=group, use_2dh=use_2dh, background=True))
     return torch.cat([departure() for departure in departures], dim=1)

@@ -21,9 +21,10 @@ from ..ops.checks import (
     require_top_k,
     stack_choices,
 )
+from ..ops.routing import route_topk_unchecked
 from ..ops.tracing import is_compiling
 from . import losses
-from .capacity import expert_capacity, realtime_capacity_factor
+from ..rules.capacity import expert_capacity, realtime_capacity_factor
 from ..collectives import all_reduce_max_int, get_world_rank
 
 logger = logging.getLogger("tutel")
@@ -66,7 +67,7 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
         loss_fn: ``loss_fn(scores, topk_ids [T, k] int64)`` for the auxiliary
             loss, or None.
         capacity_factor: > 0 static capacity, 0 dropless, < 0 dynamic capped
-            capacity (see tutel.impls.capacity.expert_capacity).
+            capacity (see tutel.rules.capacity.expert_capacity).
         batch_prioritized_routing: tokens with higher top-1 scores claim slots first.
         normalize_gate: for k > 1, rescale each token's k gates to sum to 1.
         alignment: round the capacity up to a multiple of this.
@@ -85,12 +86,23 @@ def extract_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callabl
     where = "tutel.moe.top_k_routing"
     require_floating(scores, "scores", where)
     require_dim(scores, 2, "scores", where)
-    num_tokens, num_experts = int(scores.shape[0]), int(scores.shape[1])
-    top_k = require_top_k(top_k, num_experts, where)
+    top_k = require_top_k(top_k, int(scores.shape[1]), where)
     capacity_factor = require_finite_number(capacity_factor, "capacity_factor", where)
     alignment = require_int(alignment, "alignment", where, minimum=1)
+    return route_critical(scores, top_k, loss_fn, capacity_factor, batch_prioritized_routing, normalize_gate,
+                          alignment, group, inequivalent_tokens, gate_values)
 
-    routing = ops.route_topk(scores, top_k, batch_prioritized=batch_prioritized_routing)
+
+def route_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable] = losses.gshard_loss,
+                   capacity_factor: float = 1.0, batch_prioritized_routing: bool = False,
+                   normalize_gate: bool = True, alignment: int = 1, group=None,
+                   inequivalent_tokens: bool = False,
+                   gate_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   ) -> Tuple[CriticalData, Optional[torch.Tensor]]:
+    """extract_critical for arguments the caller has validated already (the MoE layer checks its
+    call's switches once, in tutel.impls.call_settings)."""
+    num_tokens, num_experts = int(scores.shape[0]), int(scores.shape[1])
+    routing = route_topk_unchecked(scores, top_k, bool(batch_prioritized_routing))
     if loss_fn is losses.gshard_loss:  # the operator counted the first choices already
         l_aux = losses.gshard_loss_from_counts(scores, routing.counts[0])
     else:

@@ -4,6 +4,7 @@ Each rule lives here once: the parallel type, and how gate / expert dicts turn i
 modules.  The expert counts live in placement.py, the capacity alignment in capacity.py.
 """
 import importlib
+import math
 import os
 import re
 import warnings
@@ -13,6 +14,7 @@ import torch
 
 from ..gates.balancing import SelectionBias
 from ..gates.scoring import OPTION_NAMES, check_top_k, pop_routing_options
+from ..ops.checks import require_finite_number
 
 
 GATE_OPTIONS = ("k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "router_bias") + OPTION_NAMES
@@ -91,14 +93,34 @@ def build_gate(config: Dict[str, Any], model_dim: int, num_global_experts: int) 
                              f"or 'custom' with 'module'") from None
         gate = module.Gate(model_dim=model_dim, num_global_experts=num_global_experts, **config)
     if not hasattr(gate, "gate_noise"):
-        gate.gate_noise = float(config.get("gate_noise", 0.0))
+        gate.gate_noise = require_finite_number(config.get("gate_noise", 0.0), "gate_noise", "gate_type")
+        if gate.gate_noise < 0:
+            raise ValueError(f"gate_type: `gate_noise` must be >= 0, got {gate.gate_noise}")
     if not hasattr(gate, "capacity_factor"):
-        gate.capacity_factor = float(config.get("capacity_factor", float(os.environ.get("CAP_FACTOR", 1.0))))
+        if "capacity_factor" in config:
+            gate.capacity_factor = require_finite_number(config["capacity_factor"], "capacity_factor", "gate_type")
+        else:
+            gate.capacity_factor = _capacity_factor_from_environment()
     gate.routing_options = routing_options
     check_top_k(routing_options, gate.top_k, num_global_experts, "gate_type")
     if routing_options.selection_bias:
         gate.selection_bias = SelectionBias(num_global_experts, routing_options.bias_update_rate)
     return gate
+
+
+def _capacity_factor_from_environment() -> float:
+    """Tutel's CAP_FACTOR environment variable: the default capacity factor (1.0 when unset)."""
+    text = os.environ.get("CAP_FACTOR")
+    if text is None:
+        return 1.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"gate_type: the environment variable CAP_FACTOR={text!r} must be a finite number "
+                         f"(the default capacity_factor)")
+    return value
 
 
 def build_experts(config: Dict[str, Any], model_dim: int, num_local_experts: int,

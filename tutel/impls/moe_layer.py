@@ -1,40 +1,28 @@
-"""The MoE layer: ``tutel.moe.moe_layer`` (class ``MOELayer``)."""
-import contextlib
-import dataclasses
+"""The MoE layer: ``tutel.moe.moe_layer`` (class ``MOELayer``).
+
+A call is validated once (tutel.impls.call_settings), described by its facts and given a path by
+tutel.rules.paths, and run by tutel.impls.layer_paths, whose paths return what they computed.
+"""
 import math
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..collectives import get_world_size
-from ..experts import run_grouped_experts, supports_grouped
 from ..experts.shared import pop_shared_experts
-from ..ops.checks import require_finite_number, require_int, require_tensor, require_top_k
-from . import inference_path, losses
-from .autocast import autocast_dtype, without_autocast
-from .capacity import capacity_alignment, expert_capacity
-from .call_agreement import agree_on_call
+from ..ops.checks import require_int
+from ..rules.autocast import autocast_dtype
+from ..rules.paths import PathChoice
+from ..rules.placement import Placement, global_expert_count, local_expert_count, pop_local_expert_count
+from .call_context import LayerResult
+from .call_settings import require_layer_input, resolve_switches
 from .config_agreement import check_same_configuration
-from .fast_dispatch import extract_critical, fast_decode, fast_encode, get_dispatch_count
 from .layer_config import build_experts, build_gate, gate_configs, parse_parallel_type, reject_unknown_layer_arguments, \
     valid_adaptive_rs
-from .placement import Placement, global_expert_count, local_expert_count, pop_local_expert_count
-from .scored_routing import route_scored
+from .layer_paths import choose_layer_path, run_path
 from .state_loading import load_moe_state, register_placement_record
-
-
-@dataclasses.dataclass(frozen=True)
-class CallSettings:
-    """One forward call's resolved switches (the call's arguments, or the layer's / gate's defaults)."""
-
-    gate: torch.nn.Module
-    top_k: int
-    capacity_factor: float
-    overlap: int          # a2a_ffn_overlap_degree
-    adaptive_r: int
-    megablocks_size: int  # 0 when the grouped path is off (or cannot run on several processes)
 
 
 def _default_group(group):
@@ -163,10 +151,17 @@ class MOELayer(torch.nn.Module):
 
     def expert_local(self, x: torch.Tensor, reserve_shape: Sequence[int]) -> torch.Tensor:
         """Runs the local experts on x [L, tokens, feature] viewed as [L, tokens, *reserve_shape];
-        returns [L, tokens, -1] and records the experts' output shape in ``protected_shape``."""
-        y = self.experts(x.view(x.size(0), x.size(1), *reserve_shape), self)
+        returns [L, tokens, -1] and records the experts' output shape in ``protected_shape`` (Tutel's
+        method: the experts get the layer itself as ``ctx``)."""
+        y = self.run_local_experts(x, reserve_shape, self)
         self.protected_shape = y.shape
         return y.reshape(y.size(0), y.size(1), math.prod(y.shape[2:]))
+
+    def run_local_experts(self, x: torch.Tensor, reserve_shape: Sequence[int], ctx: Any) -> torch.Tensor:
+        """The local experts on x [L, tokens, feature] viewed as [L, tokens, *reserve_shape], called
+        with `ctx` (the call's tutel.impls.call_context.CallContext); returns their output as they
+        shape it, [L, tokens, *features]."""
+        return self.experts(x.view(x.size(0), x.size(1), *reserve_shape), ctx)
 
     def update_selection_bias(self) -> int:
         """Aux-loss-free balancing step for every gate with ``selection_bias=True``: moves its bias by
@@ -215,116 +210,60 @@ class MOELayer(torch.nn.Module):
             Tensor of shape input.shape[:-reserve_dims] + expert_output_features, in the input's dtype,
             with the auxiliary loss attached as ``.l_aux`` (also ``self.l_aux``); or result_func(output).
         """
+        output, _ = self.forward_with_result(input, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree,
+                                             reserve_dims, inequivalent_tokens, adaptive_r, megablocks_size)
+        return self.result_func(output) if self.result_func is not None else output
+
+    def forward_with_result(self, input: torch.Tensor, gate_index: int = 0, capacity_factor: Optional[float] = None,
+                            top_k: Optional[int] = None, a2a_ffn_overlap_degree: Optional[int] = None,
+                            reserve_dims: int = 1, inequivalent_tokens: bool = False,
+                            adaptive_r: Optional[int] = None, megablocks_size: int = 0
+                            ) -> Tuple[torch.Tensor, Optional[LayerResult]]:
+        """forward's output (without result_func) and what its path computed (the routing weights and
+        the gate's logits among it; None with SKIP_MOE).  The arguments are forward's."""
         if self.skip_moe:
             output = input.view(input.shape)
             output.l_aux = self.l_aux = None
-            return self.result_func(output) if self.result_func is not None else output
-
+            return output, None
         where = "moe_layer.forward"
-        call = self._call_settings(input, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree,
-                                   reserve_dims, adaptive_r, megablocks_size, where)
-        gate, overlap, megablocks_size = call.gate, call.overlap, call.megablocks_size
-        original_shape, original_dtype = input.shape, input.dtype
-        reserve_shape = original_shape[-reserve_dims:]
-
+        reserve_dims = require_layer_input(self, input, reserve_dims, where)
+        call = resolve_switches(self, where, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree, adaptive_r,
+                                megablocks_size, tokens=input.numel() // self.model_dim)
+        reserve_shape = input.shape[-reserve_dims:]
         x = input.reshape(-1, self.model_dim)
         x = x.to(self._compute_dtype(x))
-        self.megablocks_size = megablocks_size
-        fast = None
-        if inference_path.covers(self, x, gate, call.capacity_factor, megablocks_size, reserve_dims):
-            fast = inference_path.forward_without_grad(self, x, gate, call.top_k, call.capacity_factor, overlap,
-                                                       megablocks_size)
-        if fast is not None:
-            y, l_aux = fast.output, fast.l_aux
-            self.dispatch_count = self.local_dispatch_count = fast.dispatch_count
-        else:
-            y, l_aux = self._route_and_run_experts(input, x, gate, call, reserve_shape, inequivalent_tokens)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-
-        output_shape = list(original_shape[:-reserve_dims]) + list(self.protected_shape[-reserve_dims:])
-        output = y.view(output_shape).to(original_dtype)
-        output.l_aux = self.l_aux = l_aux
-        return self.result_func(output) if self.result_func is not None else output
-
-    def _route_and_run_experts(self, input, x, gate, call, reserve_shape, inequivalent_tokens):
-        """The general forward's routing and experts: (y [T, O], l_aux)."""
-        overlap, adaptive_r, megablocks_size = call.overlap, call.adaptive_r, call.megablocks_size
-        reserve_dims = len(reserve_shape)
+        choice = choose_layer_path(self, x, call, reserve_dims)
         # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
         sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
-        with without_autocast(x.device.type):
-            crit, l_aux = self._route(x, gate, call.top_k, call.capacity_factor, overlap, megablocks_size,
-                                      inequivalent_tokens, sequence_length)
+        result = run_path(choice.path, self, x, call, reserve_shape, sequence_length, inequivalent_tokens)
+        y = result.output
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        features = list(result.features[-reserve_dims:])
+        output = y.view(list(input.shape[:-reserve_dims]) + features).to(input.dtype)
+        output.l_aux = self.l_aux = result.l_aux
+        # Tutel's record of the last call, for code that reads it (nothing in tutel does).
+        self.dispatch_count = self.local_dispatch_count = result.dispatch_count
+        self.megablocks_size = call.megablocks_size
+        self.protected_shape = torch.Size([y.shape[0], *features])
+        return output, result
 
-        if self.world_size > 1:
-            crit = crit._replace(capacity=agree_on_call(self.group, x.device, crit.capacity, overlap, adaptive_r))
-        self.dispatch_count = get_dispatch_count(crit)
-        self.local_dispatch_count = self.dispatch_count
-        with self._per_call(adaptive_degree=adaptive_r, a2a_ffn_overlap_degree=overlap):
-            if megablocks_size > 0 and supports_grouped(self.experts):
-                # Dropless without padding: tokens go straight into the experts' grouped rows.
-                y = run_grouped_experts(self, x, crit, reserve_shape, megablocks_size, self.is_postscore,
-                                        dropless=call.capacity_factor == 0)
-            else:
-                y = fast_encode(x, crit, self.is_postscore)
-                y = self._run_experts(y, reserve_shape, overlap, adaptive_r)
-                y = fast_decode(y, crit, self.is_postscore)
-        return y, l_aux
+    def choose_path(self, input: torch.Tensor, **switches: Any) -> PathChoice:
+        """The path a call ``layer(input, **switches)`` takes, and why (tutel.rules.paths), without
+        running it.  Arguments and errors are forward's."""
+        where = "moe_layer.forward"
+        reserve_dims = require_layer_input(self, input, switches.pop("reserve_dims", 1), where)
+        switches.pop("inequivalent_tokens", None)
+        call = resolve_switches(self, where, tokens=input.numel() // self.model_dim, **switches)
+        x = input.reshape(-1, self.model_dim)
+        return choose_layer_path(self, x.to(self._compute_dtype(x, warn=False)), call, reserve_dims)
 
-    def _call_settings(self, input, gate_index, capacity_factor, top_k, overlap, reserve_dims, adaptive_r,
-                       megablocks_size, where) -> "CallSettings":
-        """Validates one call's arguments and resolves the defaults."""
-        require_tensor(input, "input", where)
-        if not input.is_floating_point():
-            raise TypeError(f"{where}: `input` must be a floating-point tensor, got {input.dtype}")
-        if input.dim() < 2:
-            raise ValueError(f"{where}: `input` must have at least 2 dims (tokens, ..., model_dim), "
-                             f"got shape {tuple(input.shape)}")
-        reserve_dims = require_int(reserve_dims, "reserve_dims", where, minimum=1)
-        if reserve_dims >= input.dim():
-            raise ValueError(f"{where}: reserve_dims={reserve_dims} is too large for a {input.dim()}-D input; "
-                             f"allowed: 1 <= reserve_dims <= {input.dim() - 1}")
-        features = math.prod(input.shape[-reserve_dims:])
-        if features != self.model_dim:
-            raise ValueError(f"{where}: the last {reserve_dims} dim(s) of `input` {tuple(input.shape)} hold "
-                             f"{features} features but the layer's model_dim is {self.model_dim}")
-        gate_index = require_int(gate_index, "gate_index", where, minimum=0)
-        if gate_index >= len(self.gates):
-            raise ValueError(f"{where}: gate_index={gate_index} is out of range; the layer has "
-                             f"{len(self.gates)} gate(s) (allowed: 0..{len(self.gates) - 1})")
-        gate = self.gates[gate_index]
-        num_experts = self.num_global_experts
-        if top_k is None:
-            top_k = gate.top_k
-        else:
-            top_k = require_top_k(top_k, num_experts, where)
-        if capacity_factor is None:
-            capacity_factor = gate.capacity_factor
-        capacity_factor = require_finite_number(capacity_factor, "capacity_factor", where)
-        overlap = self.a2a_ffn_overlap_degree if overlap is None else \
-            require_int(overlap, "a2a_ffn_overlap_degree", where, minimum=1)
-        if adaptive_r is None:
-            adaptive_r = self.adaptive_degree
-        else:
-            adaptive_r = require_int(adaptive_r, "adaptive_r", where, minimum=0)
-            if adaptive_r not in self.valid_rs:
-                raise ValueError(f"{where}: adaptive_r={adaptive_r} is not valid for {self.sharded_count} "
-                                 f"process(es) per expert; allowed: {self.valid_rs}")
-        if overlap > 1 and capacity_factor > 0:
-            tokens = input.numel() // self.model_dim
-            static_capacity = expert_capacity(capacity_factor, top_k, tokens, num_experts)
-            if 0 < static_capacity < overlap:
-                raise ValueError(f"{where}: a2a_ffn_overlap_degree={overlap} exceeds this call's capacity of "
-                                 f"{static_capacity} slots per expert: the extra chunks would hold only padding; "
-                                 f"allowed: 1 <= a2a_ffn_overlap_degree <= {static_capacity}")
-        megablocks_size = require_int(megablocks_size, "megablocks_size", where, minimum=0)
-        if megablocks_size > 0 and self.world_size > 1:
-            megablocks_size = 0  # the grouped path needs every expert's load on this process
-        return CallSettings(gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size)
+    def _compute_dtype(self, x: torch.Tensor, warn: bool = True) -> torch.dtype:
+        """Autocast's dtype when autocast is on, else the experts' parameter dtype (else x's).
 
-    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """Autocast's dtype when autocast is on, else the experts' parameter dtype (else x's)."""
+        Tokens of another floating dtype than the experts' parameters are computed in the
+        parameters' dtype, as Tutel does, with a warning (once per pair of dtypes): float64 tokens
+        through a float32 layer are not computed in float64 (docs/migration.md)."""
         dtype = autocast_dtype(x.device.type)
         if dtype is not None:
             return dtype
@@ -333,72 +272,13 @@ class MOELayer(torch.nn.Module):
         for params in (self.experts._parameters.values(), self.experts.parameters()):
             for param in params:
                 if param is not None and param.is_floating_point():
+                    if warn and param.dtype != x.dtype:
+                        warnings.warn(f"moe_layer: the input is {x.dtype} but the experts' parameters are "
+                                      f"{param.dtype}; the layer computes in {param.dtype} and returns "
+                                      f"{x.dtype} (as Tutel does). Convert the layer (e.g. layer.to({x.dtype})) "
+                                      f"to compute in {x.dtype}.", UserWarning, stacklevel=4)
                     return param.dtype
         return x.dtype
-
-    def _route(self, x, gate, top_k, capacity_factor, overlap, megablocks_size, inequivalent_tokens,
-               sequence_length):
-        logits = gate(x)
-        if logits.dim() != 2 or logits.shape != (x.shape[0], self.num_global_experts):
-            raise ValueError(f"gate returned logits of shape {tuple(logits.shape)}; expected "
-                             f"[tokens, num_global_experts] = [{x.shape[0]}, {self.num_global_experts}]")
-        if self.training and gate.gate_noise > 0:
-            noisy_logits = logits + gate.gate_noise * torch.randn_like(logits) / self.num_global_experts
-        else:
-            noisy_logits = logits
-        options = getattr(gate, "routing_options", None)
-        if options is not None and not options.is_default:
-            return self._route_scored(gate, logits, noisy_logits, top_k, capacity_factor, overlap,
-                                      megablocks_size, inequivalent_tokens, sequence_length)
-        scores = F.softmax(noisy_logits, dim=1)
-        if self.is_gshard_loss:
-            loss_fn = losses.gshard_loss
-        else:
-            def loss_fn(_scores, topk_ids):
-                return losses.load_importance_loss(
-                    F.softmax(logits, dim=1), noisy_logits.gather(1, topk_ids), self.num_global_experts,
-                    gate.gate_noise, logits_wo_noise=logits, noisy_logits=noisy_logits)
-        return extract_critical(
-            scores, top_k=top_k, loss_fn=loss_fn, capacity_factor=capacity_factor,
-            batch_prioritized_routing=self.batch_prioritized_routing, normalize_gate=self.normalize_gate,
-            alignment=capacity_alignment(self.sharded_count, overlap, megablocks_size), group=self.group,
-            inequivalent_tokens=inequivalent_tokens)
-
-    def _route_scored(self, gate, logits, noisy_logits, top_k, capacity_factor, overlap, megablocks_size,
-                      inequivalent_tokens, sequence_length):
-        """Routing under the gate's scored-routing options (tutel.impls.scored_routing); in training
-        it also counts the choices each expert received for the selection-bias update."""
-        bias = getattr(gate, "selection_bias", None)
-        crit, l_aux = route_scored(
-            logits, noisy_logits, gate.routing_options, None if bias is None else bias.bias, top_k,
-            gate_noise=gate.gate_noise, is_gshard_loss=self.is_gshard_loss, normalize_gate=self.normalize_gate,
-            sequence_length=sequence_length, capacity_factor=capacity_factor,
-            batch_prioritized_routing=self.batch_prioritized_routing,
-            alignment=capacity_alignment(self.sharded_count, overlap, megablocks_size), group=self.group,
-            inequivalent_tokens=inequivalent_tokens)
-        if bias is not None and self.training:
-            bias.record(crit.dispatch_count)
-        return crit, l_aux
-
-    @contextlib.contextmanager
-    def _per_call(self, **values):
-        """Exposes this call's settings as attributes (experts read ``ctx.adaptive_degree``) and
-        restores the defaults afterwards, so per-call switches never stick."""
-        saved = {name: getattr(self, name) for name in values}
-        try:
-            for name, value in values.items():
-                setattr(self, name, value)
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(self, name, value)
-
-    def _run_experts(self, y: torch.Tensor, reserve_shape, overlap: int, adaptive_r: int) -> torch.Tensor:
-        """[E, C, M] dispatched tokens -> [E, C, M'] expert outputs."""
-        if self.world_size == 1:
-            return self.expert_local(y, reserve_shape)
-        from .expert_parallel import run_experts_distributed
-        return run_experts_distributed(self, y, reserve_shape, overlap, adaptive_r)
 
 
 moe_layer = MOELayer

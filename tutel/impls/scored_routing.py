@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..gates import scoring
 from . import losses, router_losses
-from .fast_dispatch import CriticalData, extract_critical, normalize_gates
+from .fast_dispatch import CriticalData, normalize_gates, route_critical
 
 
 def _balance_loss(name: str, logits: torch.Tensor, noisy_logits: torch.Tensor, affinity: torch.Tensor,
@@ -41,10 +41,10 @@ def _balance_loss(name: str, logits: torch.Tensor, noisy_logits: torch.Tensor, a
 def route_scored(logits: torch.Tensor, noisy_logits: torch.Tensor, options: scoring.RoutingOptions,
                  selection_bias: Optional[torch.Tensor], top_k: int, *, gate_noise: float, is_gshard_loss: bool,
                  normalize_gate: bool, sequence_length: int, **routing) -> Tuple[CriticalData, torch.Tensor]:
-    """(crit, l_aux) of one call; ``routing`` holds extract_critical's capacity arguments
+    """(crit, l_aux) of one call (top_k already checked against the groups); ``routing`` holds
+    extract_critical's capacity arguments
     (capacity_factor, batch_prioritized_routing, alignment, group, inequivalent_tokens)."""
     num_experts = logits.shape[1]
-    scoring.check_top_k(options, top_k, num_experts, "moe_layer.forward")
     scores = scoring.score(noisy_logits, options.score_function)
     choice = (noisy_logits if options.softmax_after_topk else scores).detach()
     if selection_bias is not None:
@@ -72,7 +72,7 @@ def route_scored(logits: torch.Tensor, noisy_logits: torch.Tensor, options: scor
                                 options.score_function)
     loss_fn = _balance_loss(balance, logits, noisy_logits, affinity, gate_noise, num_experts, sequence_length,
                             routing.get("group"))
-    crit, l_aux = extract_critical(choice, top_k, loss_fn=loss_fn, normalize_gate=False, gate_values=gate_values,
+    crit, l_aux = route_critical(choice, top_k, loss_fn=loss_fn, normalize_gate=False, gate_values=gate_values,
                                    **routing)
     if options.z_loss_weight > 0:
         l_aux = l_aux + options.z_loss_weight * router_losses.router_z_loss(logits).to(l_aux.dtype)

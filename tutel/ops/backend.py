@@ -15,9 +15,11 @@ device the choice is made once, at the first tutel operator on that device:
   then on, with one warning per device naming the kernels and the device.
   ``TUTEL_CUDA_SELF_CHECK=0`` skips the check (the kernels are used as they are).
 
-The self-check is skipped while torch.compile traces and during a CUDA graph
-capture (the kernels are used unchecked then, unless TUTEL_CUDA_BACKEND says
-composite, and the choice is made at the next eager call).
+The self-check is skipped while torch.compile traces, during a CUDA graph
+capture and on fake tensors (the kernels are used unchecked then, unless
+TUTEL_CUDA_BACKEND says composite, and the choice is made at the next eager
+call): fake CUDA tensors take the compiled operators' fake kernels, as the
+path of a CUDA build would, even where tutel was built without CUDA.
 """
 import contextlib
 import os
@@ -28,10 +30,14 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
+from .._extension import load_extension
 from . import composite
 from .tracing import is_compiling
 from .self_check import OPERATORS, compare_operators
 
+# The active mode of a kind (private API, one C call; absent on old PyTorch: no fake mode is seen).
+_ACTIVE_MODE = getattr(torch._C, "_get_dispatch_mode", None)
+_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None) if _ACTIVE_MODE else None
 BACKEND_VARIABLE = "TUTEL_CUDA_BACKEND"
 SELF_CHECK_VARIABLE = "TUTEL_CUDA_SELF_CHECK"
 BACKENDS = ("auto", "nvrtc", "composite")
@@ -60,20 +66,26 @@ class Choice(NamedTuple):
 
 def cuda_kernels_unavailable() -> Optional[str]:
     """Why tutel's CUDA kernels cannot run in this process, or None if they can be tried."""
-    from .. import cuda as tutel_cuda  # tutel.cuda imports this package lazily too
-
-    if not tutel_cuda.is_built():
+    extension = load_extension()
+    if not extension.with_cuda:
         return "tutel was built without CUDA support"
     try:
-        tutel_cuda.nvrtc_info()
+        extension._cuda_nvrtc_info()
     except RuntimeError as error:
         return "NVRTC cannot be loaded: " + str(error).splitlines()[0]
     return None
 
 
+def fake_mode_active() -> bool:
+    """True inside a FakeTensorMode, where operators run their shape functions only: a fake CUDA
+    tensor then takes the path a CUDA build takes (the compiled operators' fake kernels)."""
+    return _FAKE_KEY is not None and _ACTIVE_MODE(_FAKE_KEY) is not None
+
+
 def _self_check_impossible(device: torch.device) -> bool:
-    """True while tracing or capturing, when the check cannot run kernels and compare results."""
-    if is_compiling():
+    """True while tracing, capturing or running on fake tensors, when the check cannot run kernels
+    and compare results."""
+    if is_compiling() or fake_mode_active():
         return True
     # (A CPU-only PyTorch has no capture state to ask about.)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..impls.autocast import autocast_dtype, without_autocast
+from ..rules.autocast import autocast_dtype, without_autocast
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm

@@ -53,11 +53,15 @@ def route_topk(scores: torch.Tensor, k: int, batch_prioritized: bool = False) ->
     where = "tutel.ops.route_topk"
     require_floating(scores, "scores", where)
     require_dim(scores, 2, "scores", where)
-    num_experts = scores.shape[1]
-    k = require_top_k(k, num_experts, where)
+    k = require_top_k(k, scores.shape[1], where)
+    return route_topk_unchecked(scores, k, bool(batch_prioritized))
+
+
+def route_topk_unchecked(scores: torch.Tensor, k: int, batch_prioritized: bool) -> RoutingResult:
+    """route_topk for arguments the caller has validated (the C++ operator keeps its own checks)."""
     if eager_without_grad(scores):  # nothing to differentiate: the autograd wrapper costs as much as T=1's routing
-        return RoutingResult(*operators_for(scores.device).route_topk(scores, k, bool(batch_prioritized)))
-    return RoutingResult(*_RouteTopK.apply(scores, k, bool(batch_prioritized)))
+        return RoutingResult(*operators_for(scores.device).route_topk(scores, k, batch_prioritized))
+    return RoutingResult(*_RouteTopK.apply(scores, k, batch_prioritized))
 
 
 def assign_locations(indices, num_experts: int,

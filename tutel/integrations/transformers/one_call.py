@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ...experts.routed import fits_one_call, gate_unit_of, routed_gated_experts_cpu
-from ...impls.autocast import autocast_dtype
+from ...rules.autocast import autocast_dtype
 from ...ops.gated_units import check_unit, unit_scalars
 from ...ops.precision import gemm_dtype
 from ...ops.tracing import direct_call_allowed, is_compiling

@@ -5,12 +5,12 @@ router (the precision of the logits decides which experts win and the weights' l
 ``ReplacedMoeBlock`` is a ``tutel.moe.moe_layer`` that keeps the block's calling convention and
 applies per-call switch defaults chosen at replacement time.
 """
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
 
-from ...gates.scoring import check_top_k
+from ...impls.call_settings import validate_switches
 from ...impls.moe_layer import MOELayer
 
 # logits modes: 'model' -> x W^T (+ b) in the model's dtype (gpt-oss); 'float32_logits' -> the same,
@@ -34,8 +34,6 @@ class TransformersRouter(torch.nn.Module):
         self.logits = logits
         self.wg = torch.nn.Linear(model_dim, num_global_experts, bias=bool(router_bias))
         self.top_k = int(k)
-        self.keep_logits = False
-        self.last_logits: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, model_dim] -> logits [T, E]."""
@@ -46,7 +44,6 @@ class TransformersRouter(torch.nn.Module):
             logits = F.linear(x.to(weight.dtype), weight, bias)
             if self.logits == "float32_logits":
                 logits = logits.float()
-        self.last_logits = logits if self.keep_logits else None
         return logits
 
 
@@ -70,39 +67,22 @@ class ReplacedMoeBlock(MOELayer):
         self.call_defaults = dict(call_defaults)
         self.returns = returns
         self.family = family
-        self._last_weights: Optional[torch.Tensor] = None
-        for gate in self.gates:
-            gate.keep_logits = returns == "hidden_and_logits"
 
     def check_switches(self, switches: Dict[str, Any], where: str) -> None:
         """Raises ValueError / TypeError naming the switch when `switches` (names from
         ``CALL_SWITCHES``) contain a value this layer's forward would refuse."""
-        self._call_settings(torch.zeros(1, self.model_dim), 0, switches.get("capacity_factor"), switches.get("top_k"),
-                            switches.get("a2a_ffn_overlap_degree"), 1, switches.get("adaptive_r"),
-                            switches.get("megablocks_size", 0), where)
-        top_k = switches.get("top_k")
-        for gate in self.gates:
-            if top_k is not None:
-                check_top_k(gate.routing_options, top_k, self.num_global_experts, where)
+        for gate_index in range(len(self.gates)):
+            validate_switches(self, where=where, gate_index=gate_index, **switches)
 
     def extra_repr(self) -> str:
         return f"family={self.family}, " + super().extra_repr()
 
-    def _route_scored(self, *args):
-        crit, l_aux = super()._route_scored(*args)
-        if self.returns == "hidden_and_weights":  # GShard order: the j-th choice of every token
-            self._last_weights = torch.stack(crit.gates_s, dim=1)
-        return crit, l_aux
-
     def forward(self, input: torch.Tensor, **switches):
         settings = dict(self.call_defaults)
         settings.update(switches)
-        output = super().forward(input, **settings)
+        output, result = self.forward_with_result(input, **settings)
         if self.returns == "hidden":
             return output
-        if self.returns == "hidden_and_weights":
-            weights, self._last_weights = self._last_weights, None
-            return output, weights
-        gate = self.gates[settings.get("gate_index", 0)]
-        logits, gate.last_logits = gate.last_logits, None
-        return output, logits
+        if self.returns == "hidden_and_weights":  # the j-th choice of every token in column j
+            return output, torch.stack(list(result.weights), dim=1)
+        return output, result.logits

@@ -1,0 +1,7 @@
+"""The rules every other part of tutel follows, at the bottom of the package's layers.
+
+Plain functions of shapes, counts and flags that several layers must apply identically: the
+capacity rule and its alignment (capacity.py), which process holds which expert (placement.py),
+autocast queries (autocast.py) and which path runs a call (paths.py).  They import nothing of
+tutel, so any layer may use them (docs/design.md, "Layers of the code").
+"""

@@ -1,0 +1,134 @@
+"""Which path runs a call, and why: the one place where tutel decides how a call is executed.
+
+A caller describes its call with *facts* (the device, whether autograd records it, the switches,
+what the experts offer, ...; FACTS below says what each means) and asks ``choose_path``; the
+first rule of its entry whose conditions all hold names the path, with the reason.  The rules
+are data, so the same table is the code and the documentation: docs/design.md shows
+``path_table()`` and a test keeps the two equal.
+
+Two entries choose: ``"layer"`` (``moe_layer.forward``: routing, the experts and the combine)
+and ``"experts"`` (``tutel.experts.routed_experts`` and transformers' "tutel" experts, whose
+tokens come routed).
+"""
+from enum import Enum
+from typing import Dict, Mapping, NamedTuple, Tuple, Union
+
+LAYER = "layer"
+EXPERTS = "experts"
+ENTRIES = (LAYER, EXPERTS)
+
+
+class Path(str, Enum):
+    """The execution paths (tutel.impls.layer_paths runs the layer's, tutel.experts.routed the experts')."""
+
+    EXPERT_PARALLEL = "expert_parallel"      # [E, C, M] buffers exchanged between the processes
+    LAYER_IN_TWO_CALLS = "layer_in_two_calls"  # route_without_grad, then routed_gated_experts (C++)
+    GROUPED_ONE_CALL = "grouped_one_call"    # the layer's routing, then routed_gated_experts (C++)
+    GROUPED_PIECES = "grouped_pieces"        # the layer's routing, then the grouped rows in pieces
+    GROUPED = "grouped"                      # [N, M] grouped rows through autograd (megablocks)
+    PADDED = "padded"                        # Tutel's [E, C, M] buffer through the experts module
+    EXPERTS_ONE_CALL = "experts_one_call"    # routed_gated_experts (C++), one operator call
+    EXPERTS_PIECES = "experts_pieces"        # grouped rows in pieces, the operators called directly
+    EXPERTS_GROUPED = "experts_grouped"      # one grouped buffer through autograd, any device
+
+
+FactValue = Union[bool, str]
+
+FACTS: Dict[str, str] = {
+    "device": "device type of the tokens: `cpu`, `cuda` or `other`",
+    "gradient": "autograd records the call (grad mode on and a tensor of the call requires grad)",
+    "traced": "torch.compile traces the call",
+    "plain": "eager, plain tensors: not traced, no Python dispatch mode active, no tensor subclass (tutel's "
+             "C++ functions may then be called directly, without the dispatcher)",
+    "autocast": "autocast is enabled for the device",
+    "processes": "`one`, or `several` processes hold the experts",
+    "layout": "layer: `grouped` (megablocks_size > 0) or `padded` ([E, C, M])",
+    "capacity": "layer: `static` (capacity_factor > 0), `dropless` (0) or `capped` (< 0)",
+    "tutel_routing": "layer: softmax top-k routing with the GShard loss, no scored-routing options, no gate "
+                     "noise in training",
+    "gate_at_combine": "layer: is_postscore (the gates weight the experts' outputs at the combine)",
+    "token_dims": "layer: `one` trailing dim per token (reserve_dims = 1) or `several`",
+    "gated_experts": "the experts are a fused gated unit (SwiGLU, gpt-oss') whose matrices run in one "
+                     "operator call (no post-expert function, weights in the tokens' dtype)",
+    "experts_in_pieces": "layer: the experts offer grouped_products (their products on grouped rows)",
+    "experts_grouped": "layer: the experts offer forward_grouped (grouped rows through autograd)",
+    "rows_fit_one_call": "tokens x k choices fit one operator call (routed.fits_one_call)",
+}
+
+
+class Rule(NamedTuple):
+    """``path`` runs a call of ``entry`` when every fact named in ``when`` has one of its values."""
+    entry: str
+    path: Path
+    when: Tuple[Tuple[str, Tuple[FactValue, ...]], ...]
+    reason: str
+
+
+class PathChoice(NamedTuple):
+    """The path a call takes, and the reason."""
+    path: Path
+    reason: str
+
+
+def _rule(entry: str, path: Path, reason: str, **when: Union[FactValue, Tuple[FactValue, ...]]) -> Rule:
+    for fact in when:
+        if fact not in FACTS:
+            raise KeyError(f"rule for {path.value} names an unknown fact {fact!r}")
+    return Rule(entry, path, tuple((fact, value if isinstance(value, tuple) else (value,))
+                                   for fact, value in when.items()), reason)
+
+
+_CPU_INFERENCE = dict(device="cpu", gradient=False, traced=False)
+
+RULES: Tuple[Rule, ...] = (
+    _rule(LAYER, Path.EXPERT_PARALLEL, "several processes hold the experts: tokens go to the process of "
+          "their expert and back", processes="several"),
+    _rule(LAYER, Path.LAYER_IN_TWO_CALLS, "CPU inference of Tutel's routing with SwiGLU experts at decoding "
+          "sizes: routing in one C++ pass, the experts in one operator call", **_CPU_INFERENCE, plain=True,
+          autocast=False,
+          layout="grouped", capacity=("static", "dropless"), tutel_routing=True, gate_at_combine=True,
+          token_dims="one", gated_experts=True, rows_fit_one_call=True),
+    _rule(LAYER, Path.GROUPED_ONE_CALL, "CPU inference with SwiGLU experts at decoding sizes: the experts, "
+          "grouping and combine in one operator call", **_CPU_INFERENCE, layout="grouped", gate_at_combine=True,
+          token_dims="one", gated_experts=True, rows_fit_one_call=True),
+    _rule(LAYER, Path.GROUPED_PIECES, "CPU inference on the grouped layout: the kept rows in bounded pieces, "
+          "no autograd wrappers", **_CPU_INFERENCE, layout="grouped", gate_at_combine=True, token_dims="one",
+          experts_in_pieces=True),
+    _rule(LAYER, Path.GROUPED, "megablocks_size > 0: each expert computes only its occupied rows",
+          layout="grouped", experts_grouped=True),
+    _rule(LAYER, Path.PADDED, "Tutel's [E, C, M] expert buffer (any experts module)"),
+    _rule(EXPERTS, Path.EXPERTS_ONE_CALL, "CPU inference of gated experts at decoding sizes: one operator call",
+          **_CPU_INFERENCE, gated_experts=True, rows_fit_one_call=True),
+    _rule(EXPERTS, Path.EXPERTS_PIECES, "CPU inference: the kept rows in bounded pieces, the operators called "
+          "directly", **_CPU_INFERENCE),
+    _rule(EXPERTS, Path.EXPERTS_GROUPED, "one grouped buffer through autograd (training, tracing, devices)"),
+)
+
+
+def choose_path(entry: str, facts: Mapping[str, FactValue]) -> PathChoice:
+    """The path of a call of `entry` ("layer" or "experts") described by `facts` (names from FACTS;
+    a fact a rule needs but `facts` lacks counts as not holding), with the reason."""
+    for rule in RULES:
+        if rule.entry == entry and all(facts.get(fact) in allowed for fact, allowed in rule.when):
+            return PathChoice(rule.path, rule.reason)
+    raise ValueError(f"choose_path: entry must be one of {ENTRIES}, got {entry!r}")
+
+
+def _describe(value: FactValue) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value
+
+
+def path_table() -> str:
+    """The rules as a markdown table, in the order they are tried (docs/design.md shows it)."""
+    lines = ["| entry | path | when | why |", "|---|---|---|---|"]
+    for rule in RULES:
+        when = ", ".join(f"{fact} = {' or '.join(_describe(v) for v in allowed)}" for fact, allowed in rule.when)
+        lines.append(f"| {rule.entry} | `{rule.path.value}` | {when or 'otherwise'} | {rule.reason} |")
+    return "\n".join(lines)
+
+
+def facts_table() -> str:
+    """FACTS as a markdown list (docs/design.md shows it under the table)."""
+    return "\n".join(f"* `{name}`: {meaning}" for name, meaning in FACTS.items())
