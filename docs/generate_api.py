@@ -58,13 +58,21 @@ def _signature(obj):
     return re.sub(r"<function (\w+)>", r"\1", text)
 
 
+def _own_doc(obj) -> "str | None":
+    """obj's docstring when tutel's code wrote it, else None.  inspect.getdoc would fall back to what
+    a base class says (nn.Module.__init__'s "Initialize internal Module state, ..."), which describes
+    PyTorch or Python, not the documented object."""
+    doc = getattr(obj, "__doc__", None)
+    if not doc or (getattr(obj, "__module__", None) or "").split(".")[0] != "tutel":
+        return None
+    return inspect.cleandoc(doc)
+
+
 def _entry(module, name):
     obj = _resolve(module, name)
-    kind = "class" if inspect.isclass(obj) else "function"
-    doc = inspect.getdoc(obj) or "(no docstring)"
-    if kind == "class" and obj.__init__ is not object.__init__ and inspect.getdoc(obj.__init__) \
-            and inspect.getdoc(obj.__init__) != inspect.getdoc(object.__init__):
-        doc += "\n\n" + inspect.getdoc(obj.__init__)
+    doc = _own_doc(obj) or "(no docstring)"
+    if inspect.isclass(obj) and _own_doc(obj.__init__):
+        doc += "\n\n" + _own_doc(obj.__init__)
     title = f"{module.__name__}.{name}"
     return f"### `{title}{_signature(obj)}`\n\n```text\n{doc}\n```\n"
 
