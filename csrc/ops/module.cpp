@@ -5,6 +5,7 @@
 namespace tutel {
 namespace ops {
 void register_buffer_functions(pybind11::module_& m);  // ops/cpu/reusable_buffers.cpp
+void register_cpu_gemm_functions(pybind11::module_& m);  // ops/cpu/cpu_gemm_switch.cpp
 void register_routed_experts_function(pybind11::module_& m);  // ops/cpu/routed_experts_cpu.cpp
 void register_routing_function(pybind11::module_& m);          // ops/cpu/routing_cpu.cpp
 }  // namespace ops
@@ -23,6 +24,7 @@ void register_python_functions(pybind11::module_& m);  // ops/cuda/python_functi
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tutel compiled operators (registered under torch.ops.tutel)";
   tutel::ops::register_buffer_functions(m);
+  tutel::ops::register_cpu_gemm_functions(m);
   tutel::ops::register_routed_experts_function(m);
   tutel::ops::register_routing_function(m);
 #ifdef TUTEL_WITH_CUDA

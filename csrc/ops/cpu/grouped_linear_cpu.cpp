@@ -8,6 +8,8 @@
 // which read each expert's matrix once (gemm/skinny_gemm.h); bfloat16 groups past them
 // take AMX tiles where the CPU has them (gemm/tile_gemm.h); larger groups run PyTorch's
 // GEMM, one single-threaded product per thread (gemm/work_balance.h says why).
+// With TUTEL_CPU_GEMM=torch (cpu_gemm_switch.h) every group runs PyTorch's GEMM
+// instead, one product after another.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -24,6 +26,7 @@
 #include "../../gemm/work_balance.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "cpu_gemm_switch.h"
 #include "grouped_linear_cpu.h"
 #include "reusable_buffers.h"
 
@@ -80,15 +83,17 @@ void run_groups(gemm::GroupProduct product, const at::Tensor& rows, const at::Te
   gemm::skinny_products(products, rows.size(1), out.size(1), layout);
 }
 
-// Runs the groups the policy gives to the skinny and the tile products; returns every group's
-// product (kGemm: left to PyTorch's GEMM).
-std::vector<gemm::GroupProduct> run_skinny_and_tile_groups(const at::Tensor& rows, const at::Tensor& matrices,
-                                                  const c10::optional<at::Tensor>& bias, at::Tensor& out,
-                                                  const std::vector<int64_t>& offsets, gemm::WeightLayout layout) {
+// Under tutel's CPU GEMM, runs the groups the policy gives to the skinny and the tile products;
+// returns every group's product (kGemm: left to PyTorch's GEMM, as every group under `torch`).
+std::vector<gemm::GroupProduct> run_skinny_and_tile_groups(CpuGemm choice, const at::Tensor& rows,
+                                                           const at::Tensor& matrices,
+                                                           const c10::optional<at::Tensor>& bias, at::Tensor& out,
+                                                           const std::vector<int64_t>& offsets,
+                                                           gemm::WeightLayout layout) {
   const gemm::Element element = element_of(rows.scalar_type());
   const bool bias_ok = !bias.has_value() || bias->stride(1) == 1;
-  if (element == gemm::Element::kOther || matrices.stride(2) != 1 || rows.stride(1) != 1 || out.stride(1) != 1 ||
-      !bias_ok) {
+  if (choice != CpuGemm::kTutel || element == gemm::Element::kOther || matrices.stride(2) != 1 ||
+      rows.stride(1) != 1 || out.stride(1) != 1 || !bias_ok) {
     return std::vector<gemm::GroupProduct>(offsets.size() - 1, gemm::GroupProduct::kGemm);
   }
   const gemm::ProductLines lines =
@@ -112,52 +117,67 @@ struct ProductPiece {
   double cost;
 };
 
-// Adds out = left @ right (+ bias) to `pieces`, cut along dim 0 of `out` and `left` into
-// pieces of at most `max_cost` multiply-adds when that leaves each at least
-// gemm::lines::kMinPieceExtent long.  (For a weight gradient `left` is a transposed view of the
-// rows, so its dim 0 is a feature dimension and the cut needs no sum of partial products.)
-void add_product(std::vector<ProductPiece>& pieces, const at::Tensor& out, const at::Tensor& left,
-                 const at::Tensor& right, const at::Tensor& bias, double max_cost) {
-  const int64_t extent = out.size(0);
-  const double cost = double(left.size(0)) * double(left.size(1)) * double(right.size(1));
-  const int64_t count = gemm::pieces_to_cut(cost, max_cost, extent, gemm::lines::kMinPieceExtent);
-  for (int64_t p = 0; p < count; ++p) {
-    const int64_t begin = extent * p / count, length = extent * (p + 1) / count - begin;
-    pieces.push_back({out.narrow(0, begin, length), left.narrow(0, begin, length), right, bias,
-                      cost * double(length) / double(extent)});
+void run_piece(const ProductPiece& piece) {
+  at::Tensor out = piece.out;
+  if (piece.bias.defined()) {
+    at::addmm_out(out, piece.bias, piece.left, piece.right);
+  } else {
+    at::mm_out(out, piece.left, piece.right);
   }
 }
 
-// Runs every piece: with several threads, each piece as one single-threaded GEMM and the
-// pieces claimed by the threads as they finish the last, largest first; else one after
-// another (each GEMM threaded).
-void run_pieces(const std::vector<ProductPiece>& pieces) {
-  auto run = [&](const ProductPiece& piece) {
-    at::Tensor out = piece.out;
-    if (piece.bias.defined()) {
-      at::addmm_out(out, piece.bias, piece.left, piece.right);
-    } else {
-      at::mm_out(out, piece.left, piece.right);
+// The GEMMs of one call, collected and then run together.  Under tutel's CPU GEMM products of
+// more than max_cost multiply-adds are cut first, and with several threads each piece runs
+// single-threaded, claimed by the threads as they finish the last, largest first (on one thread,
+// one after another).  Under TUTEL_CPU_GEMM=torch the products run whole, one after another, each
+// GEMM threaded by PyTorch.
+class GemmPieces {
+ public:
+  // `total`: the multiply-adds of every product the call adds.
+  GemmPieces(CpuGemm choice, double total)
+      : tutel_(choice == CpuGemm::kTutel), max_cost_(gemm::max_piece_cost(total, at::get_num_threads())) {}
+
+  // Adds out = left @ right (+ bias); under tutel's CPU GEMM cut along dim 0 of `out` and `left`
+  // into pieces of at most max_cost multiply-adds when that leaves each at least
+  // gemm::lines::kMinPieceExtent long.  (For a weight gradient `left` is a transposed view of the
+  // rows, so its dim 0 is a feature dimension and the cut needs no sum of partial products.)
+  void add(const at::Tensor& out, const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias) {
+    const int64_t extent = out.size(0);
+    const double cost = double(left.size(0)) * double(left.size(1)) * double(right.size(1));
+    const int64_t count =
+        tutel_ ? gemm::pieces_to_cut(cost, max_cost_, extent, gemm::lines::kMinPieceExtent) : int64_t(1);
+    for (int64_t p = 0; p < count; ++p) {
+      const int64_t begin = extent * p / count, length = extent * (p + 1) / count - begin;
+      pieces_.push_back({out.narrow(0, begin, length), left.narrow(0, begin, length), right, bias,
+                         cost * double(length) / double(extent)});
     }
-  };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(pieces.size()));
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (const ProductPiece& piece : pieces) run(piece);
-    return;
   }
-  std::vector<double> costs;
-  costs.reserve(pieces.size());
-  for (const ProductPiece& piece : pieces) costs.push_back(piece.cost);
-  gemm::WorkQueue queue(gemm::longest_first(costs));
-  // Grain 1 over the workers: each claims pieces until none is left, and the GEMMs inside a
-  // parallel region run single-threaded.  The pool's threads take this thread's dispatch
-  // state (below autograd), or the out= products would refuse tensors that need grad.
-  const at::ThreadLocalState caller_state;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const at::ThreadLocalStateGuard state_guard(caller_state);
-    for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) run(pieces[size_t(item)]);
-  });
-}
+
+  void run() const {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(pieces_.size()));
+    if (!tutel_ || threads <= 1 || at::in_parallel_region()) {
+      for (const ProductPiece& piece : pieces_) run_piece(piece);
+      return;
+    }
+    std::vector<double> costs;
+    costs.reserve(pieces_.size());
+    for (const ProductPiece& piece : pieces_) costs.push_back(piece.cost);
+    gemm::WorkQueue queue(gemm::longest_first(costs));
+    // Grain 1 over the workers: each claims pieces until none is left, and the GEMMs inside a
+    // parallel region run single-threaded.  The pool's threads take this thread's dispatch
+    // state (below autograd), or the out= products would refuse tensors that need grad.
+    const at::ThreadLocalState caller_state;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      const at::ThreadLocalStateGuard state_guard(caller_state);
+      for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) run_piece(pieces_[size_t(item)]);
+    });
+  }
+
+ private:
+  const bool tutel_;
+  const double max_cost_;
+  std::vector<ProductPiece> pieces_;
+};
 
 // How a product reads weight[g]: rows @ W^T for [O, K] matrices, rows @ W for [K, O].
 gemm::WeightLayout layout_of(bool outputs_by_inner) {
@@ -207,19 +227,17 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   const std::vector<int64_t> offsets = group_offsets(group_rows, groups, x.size(0), op);
   at::Tensor out = empty_reusable({x.size(0), outputs}, x.options());
   // weight_transposed: weight[g] is [O, K] and the rows are multiplied by its transpose.
+  const CpuGemm choice = cpu_gemm();
   const std::vector<gemm::GroupProduct> chosen =
-      run_skinny_and_tile_groups(x, weight, bias, out, offsets, layout_of(weight_transposed));
-  const double max_cost =
-      gemm::max_piece_cost(double(x.size(0)) * double(x.size(1)) * double(outputs), at::get_num_threads());
-  std::vector<ProductPiece> pieces;
+      run_skinny_and_tile_groups(choice, x, weight, bias, out, offsets, layout_of(weight_transposed));
+  GemmPieces pieces(choice, double(x.size(0)) * double(x.size(1)) * double(outputs));
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     if (count == 0 || chosen[g] != gemm::GroupProduct::kGemm) continue;
-    add_product(pieces, out.narrow(0, offsets[g], count), x.narrow(0, offsets[g], count),
-                right_factor(weight, g, weight_transposed), bias.has_value() ? bias->select(0, g) : at::Tensor(),
-                max_cost);
+    pieces.add(out.narrow(0, offsets[g], count), x.narrow(0, offsets[g], count),
+               right_factor(weight, g, weight_transposed), bias.has_value() ? bias->select(0, g) : at::Tensor());
   }
-  run_pieces(pieces);
+  pieces.run();
   return out;
 }
 
@@ -243,23 +261,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
   at::Tensor grad_weight = output_mask[1] ? empty_reusable(weight.sizes(), weight.options()) : at::empty({0}, x.options());
   at::Tensor grad_bias = at::empty({output_mask[2] ? groups : 0, outputs}, x.options());
   // d x = d y @ W^T reads weight[g] the other way round from the forward product.
+  const CpuGemm choice = cpu_gemm();
   const std::vector<gemm::GroupProduct> grad_x_chosen =
-      output_mask[0]
-          ? run_skinny_and_tile_groups(grad, weight, c10::nullopt, grad_x, offsets, layout_of(!weight_transposed))
-          : std::vector<gemm::GroupProduct>(groups, gemm::GroupProduct::kGemm);
+      output_mask[0] ? run_skinny_and_tile_groups(choice, grad, weight, c10::nullopt, grad_x, offsets,
+                                                  layout_of(!weight_transposed))
+                     : std::vector<gemm::GroupProduct>(groups, gemm::GroupProduct::kGemm);
   // Both gradients' products, spread over the threads together.
-  const double max_cost =
-      gemm::max_piece_cost(double(x.size(0)) * double(x.size(1)) * double(outputs) * (output_mask[0] + output_mask[1]),
-                           at::get_num_threads());
-  std::vector<ProductPiece> pieces;
+  GemmPieces pieces(choice,
+                    double(x.size(0)) * double(x.size(1)) * double(outputs) * (output_mask[0] + output_mask[1]));
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = offsets[g + 1] - offsets[g];
     const at::Tensor rows_grad = grad.narrow(0, offsets[g], count);
     const at::Tensor rows_in = x.narrow(0, offsets[g], count);
     if (count > 0 && output_mask[0] && grad_x_chosen[g] == gemm::GroupProduct::kGemm) {
       // d x = d y @ W^T: weight[g] read the other way round from the forward product.
-      add_product(pieces, grad_x.narrow(0, offsets[g], count), rows_grad, right_factor(weight, g, !weight_transposed),
-                  at::Tensor(), max_cost);
+      pieces.add(grad_x.narrow(0, offsets[g], count), rows_grad, right_factor(weight, g, !weight_transposed),
+                 at::Tensor());
     }
     if (output_mask[1]) {
       // d W has weight[g]'s layout: [K, O] = x^T dy, or [O, K] = dy^T x.  A group
@@ -268,9 +285,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
       if (count == 0) {
         dw.zero_();
       } else if (weight_transposed) {
-        add_product(pieces, dw, rows_grad.t(), rows_in, at::Tensor(), max_cost);
+        pieces.add(dw, rows_grad.t(), rows_in, at::Tensor());
       } else {
-        add_product(pieces, dw, rows_in.t(), rows_grad, at::Tensor(), max_cost);
+        pieces.add(dw, rows_in.t(), rows_grad, at::Tensor());
       }
     }
     if (output_mask[2]) {
@@ -282,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
       }
     }
   }
-  run_pieces(pieces);
+  pieces.run();
   return {grad_x, grad_weight, grad_bias};
 }
 
