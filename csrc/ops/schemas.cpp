@@ -76,4 +76,26 @@ TORCH_LIBRARY(tutel, m) {
   m.def(
       "gated_unit_pair_backward(Tensor grad, Tensor gate, Tensor up, float alpha, float up_offset, float? limit) "
       "-> (Tensor grad_gate, Tensor grad_up)");
+  // Routing from the gate's logits [T, E] (csrc/core/route_experts.h has the rules): score_function
+  // 'softmax' / 'sigmoid' / 'sqrt_softplus', softmax_after_topk, selection_bias [E] (float32 / float64;
+  // choice only), n_group / topk_group (0 / 0: no group limit), renormalize, routed_scaling_factor,
+  // batch_prioritized, capacity (slots per expert, -1 dropless), with_loss.  Returns
+  //   expert_ids [k, T] int32, weights [k, T] (accumulation dtype), locations [k, T] int32 (GShard
+  //   slot, >= capacity when dropped), counts [k, E] int32 and dispatch_count [E] int64 (choices
+  //   before capacity), grouped_locations [k, T] int32 (row of the grouped buffer of `rows` = T k
+  //   (dropless) or E capacity rows, `rows` when dropped), ends [E] int32 (running sum of the kept
+  //   choices), row_choices [rows] int32 (the choice j T + t of each row, k T when unused), l_aux
+  //   (0-dim, accumulation dtype; 0 without with_loss or tokens).  CUDA: two launches, no host
+  //   synchronisation.
+  m.def(
+      "route_experts(Tensor logits, int k, str score_function, bool softmax_after_topk, Tensor? selection_bias, "
+      "int n_group, int topk_group, bool renormalize, float routed_scaling_factor, bool batch_prioritized, "
+      "int capacity, bool with_loss) -> (Tensor expert_ids, Tensor weights, Tensor locations, Tensor counts, "
+      "Tensor dispatch_count, Tensor grouped_locations, Tensor ends, Tensor row_choices, Tensor l_aux)");
+  // d logits (logits' dtype) from d weights [k, T] and d l_aux (0-dim), both in the accumulation
+  // dtype and optional; expert_ids and counts are the forward's.  CUDA: one launch.
+  m.def(
+      "route_experts_backward(Tensor? grad_weights, Tensor? grad_loss, Tensor logits, Tensor expert_ids, "
+      "Tensor counts, str score_function, bool softmax_after_topk, bool renormalize, float routed_scaling_factor, "
+      "bool with_loss) -> Tensor");
 }

@@ -107,3 +107,22 @@ def _to_dtype(x, dtype):
 def _routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, alpha,
                           up_offset, limit, interleaved, gate_weight=None):
     return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))
+
+
+@register_fake("tutel::route_experts")
+def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
+                   routed_scaling_factor, batch_prioritized, capacity, with_loss):
+    tokens, experts = logits.shape
+    acc = _accumulation_dtype(logits.dtype)
+    rows = tokens * k if capacity < 0 else experts * capacity
+    choices = logits.new_empty((k, tokens), dtype=torch.int32)
+    return (choices, logits.new_empty((k, tokens), dtype=acc), torch.empty_like(choices),
+            logits.new_empty((k, experts), dtype=torch.int32), logits.new_empty((experts,), dtype=torch.int64),
+            torch.empty_like(choices), logits.new_empty((experts,), dtype=torch.int32),
+            logits.new_empty((rows,), dtype=torch.int32), logits.new_empty((), dtype=acc))
+
+
+@register_fake("tutel::route_experts_backward")
+def _route_experts_backward(grad_weights, grad_loss, logits, expert_ids, counts, score_function, softmax_after_topk,
+                            renormalize, routed_scaling_factor, with_loss):
+    return torch.empty_like(logits)
