@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference_route_experts as ref
 from conftest import ALL_DTYPES
-from tutel.ops.route_experts import route_experts
+from tutel.ops.route_experts import ExpertRouting, route_experts
 
 SCORES = [("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrt_softplus", False)]
 
@@ -37,16 +37,17 @@ def random_logits(tokens, experts, dtype, generator, scale=2.0):
     return (torch.randn(tokens, experts, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
 
-def run(logits, o: ref.Options, bias=None):
-    """The operator's result and the logits' gradient for random gradients of weights and loss."""
-    logits = logits.clone().requires_grad_(True)
-    routing = route_experts(logits, o.k, selection_bias=bias, **o.kwargs())
+def run(logits, o: ref.Options, bias=None, device="cpu"):
+    """The operator's result and the logits' gradient for random gradients of weights and loss, computed
+    on `device` and returned on the CPU."""
+    on_device = logits.to(device).requires_grad_(True)
+    routing = route_experts(on_device, o.k, selection_bias=None if bias is None else bias.to(device), **o.kwargs())
     generator = torch.Generator().manual_seed(7)
     grad_weights = torch.randn(routing.weights.shape, generator=generator, dtype=routing.weights.dtype)
     grad_loss = torch.tensor(0.75, dtype=routing.l_aux.dtype)
-    grad, = torch.autograd.grad((routing.weights, routing.l_aux), logits, (grad_weights, grad_loss),
-                                allow_unused=True)
-    return routing, grad, grad_weights, grad_loss
+    grad, = torch.autograd.grad((routing.weights, routing.l_aux), on_device,
+                                (grad_weights.to(device), grad_loss.to(device)), allow_unused=True)
+    return ExpertRouting(*(value.cpu() for value in routing)), grad.cpu(), grad_weights, grad_loss
 
 
 def op_priority(routing, logits, o: ref.Options, bias):
@@ -95,10 +96,10 @@ def check_slots(routing, c, o: ref.Options, priority, num_experts, dtype):
     return locations
 
 
-def check_routing(logits, o: ref.Options, bias=None, check_grad=True):
+def check_routing(logits, o: ref.Options, bias=None, check_grad=True, device="cpu"):
     dtype = logits.dtype
     tokens, num_experts = logits.shape
-    routing, grad, grad_weights, grad_loss = run(logits, o, bias)
+    routing, grad, grad_weights, grad_loss = run(logits, o, bias, device)
     acc = accumulation(dtype)
     assert routing.weights.dtype == acc and routing.l_aux.dtype == acc and routing.l_aux.dim() == 0
     # The choice: the reference's top-k choice scores (ties within two roundings may pick either expert).
@@ -355,3 +356,50 @@ def test_one_operator_forward_and_one_backward():
 def test_bad_arguments_raise_naming_them(call, error, message):
     with pytest.raises(error, match=message):
         call(torch.randn(4, 8))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_cuda_matches_the_float64_reference(dtype):
+    """The CUDA kernels against the same reference (their exp may round differently from the CPU's, so
+    the choice is held to the reference's scores, as on the CPU)."""
+    generator = torch.Generator().manual_seed(13)
+    for tokens, experts, k in ((0, 8, 2), (1, 256, 8), (37, 16, 3), (3001, 64, 4), (9000, 8, 2)):
+        logits = random_logits(tokens, experts, dtype, generator)
+        bias = torch.randn(experts, generator=generator) * 0.1
+        groups = (8, 4) if experts % 8 == 0 and k <= 4 * experts // 8 else (None, None)
+        for o, selection_bias in ((ref.Options(k, renormalize=True, capacity=-1), None),
+                                  (ref.Options(k, batch_prioritized=True, capacity=max(1, tokens * k // experts // 2)),
+                                   None),
+                                  (ref.Options(k, "sigmoid", n_group=groups[0], topk_group=groups[1], renormalize=True,
+                                               routed_scaling_factor=2.5, capacity=3), bias),
+                                  (ref.Options(k, "sqrt_softplus", renormalize=True, batch_prioritized=True), bias),
+                                  (ref.Options(k, softmax_after_topk=True, capacity=2, with_loss=False), None)):
+            check_routing(logits, o, selection_bias, device="cuda")
+
+
+@needs_cuda
+def test_cuda_is_deterministic_and_replays_from_a_graph():
+    """Two calls give the same bits (no float atomics), and a captured call replays them."""
+    logits = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.1
+    kwargs = dict(score_function="sigmoid", selection_bias=bias, n_group=8, topk_group=4, renormalize=True,
+                  routed_scaling_factor=2.5, capacity=64, batch_prioritized=True)
+    first, second = route_experts(logits, 8, **kwargs), route_experts(logits, 8, **kwargs)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        route_experts(logits, 8, **kwargs)  # compiled and loaded before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = route_experts(logits, 8, **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, first):
+        assert torch.equal(a, b)
