@@ -505,6 +505,85 @@ eager experts do.  *limit*: the larger of the FLOPs at the GEMM rate of a large 
 and the active weights' bytes at the read bandwidth, both measured as interleaved candidates."""
 
 
+CPU_GEMM_LINES = """## CPU GEMM size lines
+
+Which product runs each group of an experts' grouped product on the CPU: tutel's skinny products, its
+AMX tile products, or PyTorch's GEMM (`csrc/gemm/policy.h` holds the lines; docs/design.md, "The CPU
+GEMM", says why each product wins where it does).  Below, the measurements behind each line, by the
+machine that took them: 2 threads, the candidates' calls on the same groups one after the other in
+one process, each product after a read of a large buffer (the cold caches of a decoding step).  To
+compare a whole call against PyTorch's GEMM alone, run it with `TUTEL_CPU_GEMM=torch`, which sends
+every expert product to `at::mm` / `at::addmm`, one group after another.
+
+### AMD EPYC, Zen 1-3 (AVX2; PyTorch's GEMM on the same 256-bit units)
+
+* `kSkinnyMaxRows` = 32: below it PyTorch's GEMM, packing the matrix for every product, was slower
+  at every shape measured (fp32, 64 experts of [1024, 1024]: 53 ms skinny against 79-85 at 16 rows,
+  91 against 108-116 at 32; at 64 rows the packing pays off); the "Grouped expert products" table
+  above shows the same on the Xeon.
+* `kSkinnyRowsOfAnyLength` = 20 and `kSkinnyMaxRowBytes` = 160 KiB (float32 `[O, K]`, AVX2): past
+  20 rows the token rows, read again for every pair of matrix rows, fall out of L2 when long, while
+  the GEMM packs the matrix once.  Zen 3, 8 experts, each product after a 64 MB read, GB/s of matrix
+  read, skinny / GEMM: `[4096, 14336]` (Mixtral-8x7B's down projection) at 3 / 4 / 8 / 12 / 16 / 20 /
+  24 rows 21 / 26 / 17 / 12 / 9.4 / 7.1 / 5.8 against 8.8 / 10 / 9.3 / 7.9 / 7.5 / 7.1 / 6.6;
+  `[4096, 7168]` at 4 / 8 / 16 rows 27 / 18 / 7.9 against 11 / 11 / 7.6; `[1024, 3584]` at 16 / 20 /
+  24 / 32 rows 10.6 / 8.3 / 6.5 / 4.3 against 8.8 / 6.9 / 7.2 / 5.7; `[1024, 2048]` at 16 / 24 / 32
+  rows 8.2 / 6.6 / 5.3 against 7.5 / 7.3 / 6.4.  (A byte bound alone sent Mixtral-8x7B's down
+  projection to the GEMM from 3 rows: 312 ms per experts call at 16 tokens against a bandwidth
+  limit of 178.)
+
+### Intel Xeon (AVX-512, AVX512-BF16, AMX)
+
+8 active experts, each product after a 600 MB read, ms.
+
+* `kSkinnyMaxRowsBesideWideFma` = 8 (float32) and `kSkinnyMaxRowsBesideBf16Dot` = 4 (bfloat16): the
+  AVX2 skinny products beside a GEMM on full-width 512-bit FMA and native bfloat16 dot products,
+  both layouts; skinny / GEMM: float32 `[O, K]` 1024 x 1024 at 8 / 12 / 16 rows 1.49 / 2.36 / 3.07
+  against 2.09 / 2.80 / 2.74, 1024 x 512 0.93 / 1.42 / 2.57 against 1.02 / 1.31 / 1.52, 7168 x 1024
+  at 8 / 12 rows 12.2 / 30.0 against 21.3 / 27.5; `[K, O]` 1024 x 512 at 8 rows 1.27 against 0.97;
+  bfloat16 `[O, K]` 7168 x 1024 at 4 / 6 / 8 rows 9.0 / 13.4 / 12.4 against 8.7 / 10.9 / 7.9, 1024 x
+  3584 3.1 / 5.2 / 6.8 against 3.6 / 3.8 / 3.7.  At 1-2 rows the skinny products took 0.3-0.7x the
+  GEMM's time.  (With 32 rows there, a Mixtral-like bf16 experts call at 128 tokens took 54 ms, with
+  8 about 21; grouped_mm 27.)
+* `kSkinnyMaxRows` = 32 for the AVX-512 skinny products in float32 (both layouts, any row length),
+  `kWideSkinnyMaxRowsBesideBf16Dot` = 6 and `kWideSkinnyMaxRowsBesideBf16DotInnerByOutputs` = 8 in
+  bfloat16 without AMX tiles: they run on the same units as the GEMM.  AVX-512 skinny / GEMM, ranges
+  of two runs: float32 `[O, K]` 1024 x 1024 at 16 / 24 / 32 rows 2.50-2.75 / 3.08-3.51 / 3.88-4.70
+  against 3.16-4.07 / 3.62-3.76 / 4.38-4.96, 1024 x 3584 at 8 / 16 / 24 / 32 rows 5.4-6.2 / 7.4-9.6 /
+  9.6-13.1 / 12.1-16.0 against 12.6-15.0 / 10.7-11.3 / 12.1-12.8 / 14.8-15.4; `[K, O]` 1024 x 1024 at
+  16 / 24 / 32 rows 2.90-2.94 / 3.60-3.80 / 4.69-4.98 against 3.55-3.93 / 4.16-4.17 / 4.60-4.85, 3584
+  x 1024 8.1-8.6 / 8.3-10.4 / 11.4-13.8 against 11.9-12.2 / 13.2-14.2 / 16.1-16.6; bfloat16 `[O, K]`
+  1024 x 1024 at 6 / 8 / 12 rows 1.02-1.33 / 1.24-1.46 / 1.69-2.00 against 1.93-2.18 / 1.65-1.90 /
+  1.76-1.93, 1024 x 3584 at 6 / 8 rows 4.13-4.14 / 4.24-4.88 against 3.22-4.31 / 3.16-4.37; `[K, O]`
+  1024 x 2048 at 8 / 12 / 16 rows 3.35-3.42 / 4.05-4.87 / 5.29-6.30 against 3.82-4.25 / 4.01-4.30 /
+  4.23-4.63.
+* `kWideSkinnyMaxRowsBesideTiles` = 3 (bfloat16 `[O, K]` beside AMX): the tile products take over
+  from 4 rows; calls interleaved, skinny / tiles at 4 / 5 / 6 rows: `[7168, 1024]` 6.74 / 7.67 /
+  8.27 against 6.73 / 6.74 / 7.07, `[1024, 3584]` 4.23 / 4.28 / 4.82 against 3.23 / 2.98 / 3.06,
+  `[4096, 14336]` 41.1 / 65.1 / 72.7 against 35.2 / 44.8 / 42.9, `[2048, 768]` 1.63 / 1.76 / 2.27
+  against 1.52 / 1.75 / 1.83, `[1024, 1024]` 1.15 / 1.32 / 1.34 against 1.20 / 1.26 / 1.25, `[512,
+  1024]` 0.71 / 0.78 / 0.75 against 0.78 / 0.72 / 0.68; at 1-3 rows each won on some shapes (3 rows:
+  `[7168, 1024]` 6.29 against 7.18, `[1024, 3584]` 3.13 against 2.49).
+* `kWideSkinnyMaxRowsBesideTilesInnerByOutputs` = 6 (bfloat16 `[K, O]` beside AMX, which the tiles
+  read in place up to 16 rows): skinny / tiles at 6 / 7 / 8 rows: 8 experts of `[3584, 1024]` 3.2 /
+  4.1 / 5.4 against 2.9 / 3.2 / 4.3, `[1024, 3584]` 2.5 / 3.7 / 4.0 against 2.8 / 3.4 / 3.1; 64
+  experts of `[512, 1024]` 3.6 / 4.3 / 4.5 against 3.5 / 3.4 / 3.3, `[1024, 256]` 2.5 / 3.5 / 3.1
+  against 2.5 / 4.1 / 3.1.
+* `kTileMaxRows` = 256 (`[O, K]`) and `kTileMaxRowsInnerByOutputs` = 64 (`[K, O]`): past them
+  PyTorch's bfloat16 GEMM, which repacks the matrix for every product, catches up.  Calls
+  interleaved, tiles / GEMM: `[O, K]` 1024 x 1024 at 8 / 16 / 64 / 256 rows 1.25 / 1.19 / 2.30 /
+  7.05 against 2.26 / 2.27 / 3.36 / 7.18 (in separate runs 512 and 2048 rows took 14.2-21.4 and
+  60.5-83.1 against 13.3-15.1 and 49.0-59.4: loading the tiles' matrix rows, a whole matrix row
+  apart, costs more than the GEMM's repacking there); `[K, O]` 2048 x 1024 at 9 / 16 / 32 / 64 / 96 /
+  128 / 192 rows 4.21 / 4.76 / 5.85 / 7.96 / 10.4 / 13.4 / 19.2 against 6.74 / 6.38 / 7.40 / 9.42 /
+  10.6 / 13.0 / 16.0 (the sums of larger groups pass through memory between chunks of matrix
+  rows).  At 1-6 rows of `[O, K]` the skinny products and the tiles ran alike (1.12-1.40 against
+  0.98-1.32 ms).
+* `kMinPieceExtent` = 128: a large group's GEMM is cut into pieces for the threads (by rows, or by
+  features for a weight gradient), never shorter than this, where packing the other operand again
+  costs more than the balance wins."""
+
+
 def gemm_rates(limits: Dict[str, float], unit: str = "GFLOP/s", scale: float = 1.0) -> str:
     """'float32 GEMM 183 GFLOP/s, bfloat16 GEMM 21 GFLOP/s' from a run's measured limits."""
     return ", ".join(f"{key.replace('gemm_gflops_', '')} GEMM {value / scale:.0f} {unit}"
@@ -684,6 +763,7 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
                      + format_table(full["rows"], full["columns"]))
     if results.get("grouped_gemm"):
         parts.append(grouped_gemm_section(results["grouped_gemm"]))
+    parts.append(CPU_GEMM_LINES)
     if any(results.get(name) for name in GPU_BENCHMARKS):
         parts.append(gpu_section(results))
     parts.append(NOTES)
