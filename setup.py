@@ -140,7 +140,9 @@ setup(
     cmdclass={"build_ext": BuildWithKernels.with_options(use_ninja=True)},
     install_requires=["torch>=2.1"],
     # pip install --no-build-isolation ".[examples]": what tutel.examples use besides PyTorch
-    # (moe_mnist's bundled digits, progress bars, loss curves).
-    extras_require={"examples": ["scikit-learn>=1.3", "tqdm>=4.60", "matplotlib>=3.5"]},
+    # (moe_mnist's bundled digits, progress bars, loss curves).  ".[transformers]": the releases
+    # tutel.integrations.transformers supports (its versions.REQUIREMENT).
+    extras_require={"examples": ["scikit-learn>=1.3", "tqdm>=4.60", "matplotlib>=3.5"],
+                    "transformers": ["transformers>=5.7.0,<6"]},
     zip_safe=False,
 )

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up this machine (tests/setup_env.sh: what the build and the demo need, then
 # the test tools; README.md lists them), builds the project and runs every test:
-# the C++ core suite (ctest, also under ASan/UBSan), the DeepSpeed integration and
-# the Python suite (pytest).  Safe to run repeatedly; installs only what is missing.
+# the C++ core suite (ctest, also under ASan/UBSan), the DeepSpeed integration, the
+# transformers integration on its oldest supported release and the Python suite
+# (pytest).  Safe to run repeatedly; installs only what is missing.
 #
 #   bash tests/run_all.sh              # everything
 #   bash tests/run_all.sh -k routing   # extra arguments go to pytest
@@ -26,8 +27,15 @@ echo "== DeepSpeed integration (tests/integration/deepspeed/run.sh) =="
 deepspeed_status=0
 timeout "${TUTEL_DEEPSPEED_STEP_TIMEOUT:-600}" bash tests/integration/deepspeed/run.sh || deepspeed_status=$?
 
+# The transformers integration against the oldest supported release (the main pytest run tests
+# the newest, which tests/setup_env.sh pins); verdict after pytest as well.
+echo "== transformers integration, oldest release (tests/integration/transformers/run.sh) =="
+transformers_status=0
+timeout "${TUTEL_TRANSFORMERS_STEP_TIMEOUT:-600}" bash tests/integration/transformers/run.sh || transformers_status=$?
+
 echo "== Python: pytest =="
 # A hung test fails after TUTEL_TEST_TIMEOUT seconds (pytest-timeout) instead of eating the CI budget;
 # the slowest single tests (pip installs that build the extension) take a few minutes.
 python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" tests/python "$@"
 [ "$deepspeed_status" -eq 0 ] || { echo "the DeepSpeed integration step failed (exit ${deepspeed_status})" >&2; exit 1; }
+[ "$transformers_status" -eq 0 ] || { echo "the transformers integration step failed (exit ${transformers_status})" >&2; exit 1; }

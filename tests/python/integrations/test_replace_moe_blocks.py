@@ -7,6 +7,7 @@ import torch
 
 import replace_models as rm
 import tiny_transformers_models as tiny
+from transformers_test_setup import skip_unless_released
 from tutel.impls.moe_layer import MOELayer
 from tutel.integrations.transformers import replace_moe_blocks
 from tutel.integrations.transformers.block_layouts import UnsupportedMoeBlock
@@ -45,6 +46,7 @@ def test_replaced_model_equals_the_original(family):
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3"])
 def test_output_router_logits_still_records_the_logits(family):
+    skip_unless_released(f"{family}.router_logits")
     model, original, blocks = rm.original_and_copy(family)
     ids = rm.tokens(2)
     model(ids, output_router_logits=True)  # transformers' hooks already installed before the replacement
@@ -183,6 +185,18 @@ def test_nothing_is_replaced_when_a_later_block_is_bad():
     assert _unchanged(model, blocks, "Qwen3MoeSparseMoeBlock")
 
 
+def test_a_block_laid_out_otherwise_is_refused_naming_the_family_and_the_release():
+    import re
+    import transformers
+    model, _, blocks = rm.original_and_copy("qwen3_moe")
+    del model.model.layers[1].mlp.experts.gate_up_proj  # as a release that stored the experts otherwise
+    release = re.escape(transformers.__version__)
+    with pytest.raises(UnsupportedMoeBlock, match=r"'model.layers.1.mlp' \(Qwen3MoeSparseMoeBlock\): .*gate_up_proj"
+                                                  rf".* \(family qwen3_moe, transformers {release}\)$"):
+        replace_moe_blocks(model)
+    assert _unchanged(model, blocks, "Qwen3MoeSparseMoeBlock")
+
+
 @pytest.mark.parametrize("change, words", [
     (dict(num_group=3), "n_group=3"),                       # 3 groups cannot split 8 experts
     (dict(num_group=4, topk_group=5), "topk_group=5"),      # more groups allowed than exist
@@ -191,9 +205,11 @@ def test_nothing_is_replaced_when_a_later_block_is_bad():
 def test_contradictory_routing_in_a_later_block_is_refused(change, words):
     model = rm.build("deepseek_v3", num_hidden_layers=3)  # MoE blocks in layers 1 and 2
     blocks = rm.block_names(model)
-    router = model.model.layers[2].mlp.gate
+    block = model.model.layers[2].mlp
+    # transformers 5.13 moved the settings from the block (n_group) to the router (num_group)
+    settings, spelt = (block.gate, {}) if hasattr(block.gate, "num_group") else (block, {"num_group": "n_group"})
     for name, value in change.items():
-        setattr(router, name, value)
+        setattr(settings, spelt.get(name, name), value)
     with pytest.raises(UnsupportedMoeBlock, match="'model.layers.2.mlp' \\(DeepseekV3MoE\\)") as raised:
         replace_moe_blocks(model)
     assert words in str(raised.value)

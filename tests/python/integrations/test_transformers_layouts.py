@@ -152,7 +152,8 @@ def test_gpt_oss_gate_runs_as_the_fused_unit_and_an_override_is_called_as_is():
     from tutel.ops.gated_units import GatedUnit
     _, ours = make_pair("gpt_oss")
     layout = read_layout(ours)
-    assert layout.gate == GatedUnit(ours.alpha, 1.0, 1.5, interleaved=True)
+    # the module's own alpha and limit (the config's swiglu_limit 1.5 where the release reads it)
+    assert layout.gate == GatedUnit(ours.alpha, 1.0, ours.limit, interleaved=True)
 
     class Overridden(type(ours)):
         def _apply_gate(self, gate_up):

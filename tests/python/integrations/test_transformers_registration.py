@@ -71,6 +71,60 @@ def test_enable_checks_every_experts_module_then_switches():
     assert tutel_hf.check_model(model) == 2
 
 
+def _dense_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=30, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+def _llama4():
+    from replace_models import build as build_replaceable
+    return build_replaceable("llama4")
+
+
+@pytest.mark.parametrize("model, words", [(_dense_llama, ["LlamaForCausalLM has no experts module tutel can run",
+                                                          "no module of it is an experts class"]),
+                                          (_llama4, ["Llama4ForCausalLM has no experts module tutel can run",
+                                                     "'model.layers.0.feed_forward.experts' (Llama4TextExperts)",
+                                                     "replace_moe_blocks"])], ids=["dense", "llama4"])
+def test_enable_refuses_a_model_with_no_experts_module_tutel_can_run(model, words):
+    model = model()
+    before = model.config._experts_implementation
+    for call in (tutel_hf.enable, tutel_hf.check_model):
+        with pytest.raises(tutel_hf.NoExpertsModule) as error:
+            call(model)
+        assert all(w in str(error.value) for w in words), str(error.value)
+    assert model.config._experts_implementation == before
+
+
+class _PlainExperts(torch.nn.Module):
+    """Stacked experts without @use_experts_implementation: transformers runs their own forward."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        raise NotImplementedError("not run by these tests")
+
+
+def test_enable_warns_once_naming_the_experts_tutel_cannot_run():
+    import warnings
+    model = build("mixtral", num_hidden_layers=3)
+    for layer in (1, 2):
+        model.model.layers[layer].mlp.experts = _PlainExperts(model.model.layers[layer].mlp.experts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tutel_hf.enable(model) is model
+        assert tutel_hf.check_model(model) == 1
+    messages = [str(w.message) for w in caught if "tutel" in str(w.message)]
+    assert len(messages) == 2 and messages[0] == messages[1], messages  # once per call
+    assert "'model.layers.1.mlp.experts' (_PlainExperts), 'model.layers.2.mlp.experts' (_PlainExperts)" in \
+        messages[0] and "the other 1 experts modules run through tutel" in messages[0], messages[0]
+    assert model.config._experts_implementation == "tutel"
+
+
 def _broken(change):
     _, module = make_pair("mixtral")
     change(module)

@@ -15,14 +15,25 @@ into expert-sorted rows, the grouped expert GEMMs and the weighted combine, forw
 traceable by ``torch.compile(fullgraph=True)``.  The model's router, shared experts and every
 other layer are unchanged.  ``enable(model)`` checks every experts module first and raises
 ``UnsupportedExpertsLayout`` (naming the module class and the flag) for a layout tutel cannot
-run; otherwise the same error comes at the module's first call.
+run; otherwise the same error comes at the module's first call.  A model with no experts module tutel
+can run (a dense model; Llama 4, whose experts transformers does not dispatch) raises
+``NoExpertsModule`` there.
+
+Supported: transformers 5.7.0 (the first release whose ``experts_implementation`` accepts a
+registered implementation) and later 5.x releases, tested against 5.7.0 and the newest; an older
+release raises ``UnsupportedTransformersVersion`` (an ImportError) at this import.
 """
-from .forward import tutel_experts_forward
-from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout
-from .registration import NAME, check_model, enable, experts_modules, register
-from .replace import replace_moe_blocks
+from .versions import UnsupportedTransformersVersion, check_supported
+
+check_supported()
+
+from .forward import tutel_experts_forward  # noqa: E402  (after the version check)
+from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout  # noqa: E402
+from .registration import NAME, NoExpertsModule, check_model, enable, experts_modules, register  # noqa: E402
+from .replace import replace_moe_blocks  # noqa: E402
 
 register()
 
-__all__ = ["NAME", "ExpertsLayout", "UnsupportedExpertsLayout", "check_model", "enable", "experts_modules",
-           "read_layout", "register", "replace_moe_blocks", "tutel_experts_forward"]
+__all__ = ["NAME", "ExpertsLayout", "NoExpertsModule", "UnsupportedExpertsLayout", "UnsupportedTransformersVersion",
+           "check_model", "enable", "experts_modules", "read_layout", "register", "replace_moe_blocks",
+           "tutel_experts_forward"]

@@ -1,36 +1,44 @@
 """How each transformers family's sparse-MoE block maps onto a ``tutel.moe.moe_layer``.
 
-A block is recognised by its class name (so nothing of transformers is imported here) and read
-into a ``BlockLayout``: the router's tensors and routing rule as a tutel gate dict, the routed
-experts' tensors and their layout, the shared experts, and the block's calling convention.
-``read_block`` checks everything it reads and raises ``UnsupportedMoeBlock`` naming the module
-and the attribute or setting tutel cannot reproduce exactly.
+A block is recognised by its class name and read into a ``BlockLayout``: the router's tensors
+and routing rule as a tutel gate dict, the routed experts' layout (read by ``layout.read_layout``,
+the reader the experts implementation uses too) and the tutel experts type it maps onto, the
+shared experts, and the block's calling convention.  ``read_block`` checks everything it reads and
+raises ``UnsupportedMoeBlock`` naming the module and the attribute or setting tutel cannot
+reproduce exactly.
 
 Families (transformers 5.x class names):
 
 ==========================  ====================  ============================================
-block class                 router                experts / shared experts
+block class                 router                shared experts
 ==========================  ====================  ============================================
-MixtralSparseMoeBlock       softmax, renormalised gate_up_proj [E, 2I, H] (gate rows first)
-Qwen2MoeSparseMoeBlock      softmax (norm_topk)   same + sigmoid-gated ``shared_expert``
-Qwen3MoeSparseMoeBlock      softmax (norm_topk)   same
-OlmoeSparseMoeBlock         softmax (norm_topk)   same
-DeepseekV3MoE, Glm4MoeMoE   sigmoid, bias, groups same + ``shared_experts``
-GptOssMLP                   biased, top-k softmax clamped SwiGLU, interleaved, with biases
-Llama4TextMoe               sigmoid, score first  gate_up_proj [E, H, 2I] + ``shared_expert``
+MixtralSparseMoeBlock       softmax, renormalised none
+Qwen2MoeSparseMoeBlock      softmax (norm_topk)   sigmoid-gated ``shared_expert``
+Qwen3MoeSparseMoeBlock      softmax (norm_topk)   none
+OlmoeSparseMoeBlock         softmax (norm_topk)   none
+DeepseekV3MoE, Glm4MoeMoE   sigmoid, bias, groups ``shared_experts``
+GptOssMLP                   biased, top-k softmax none
+Llama4TextMoe               sigmoid, score first  ``shared_expert``
 ==========================  ====================  ============================================
+
+Routed experts whose layout is SwiGLU without biases (Mixtral's ``gate_up_proj`` [E, 2I, H], Llama
+4's transposed [E, H, 2I], ...) become ``llama_ffn`` experts; gpt-oss's clamped interleaved unit with
+biases on transposed weights becomes ``clamped_swiglu``.
 """
 from typing import Any, Dict, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
+
+from ...ops.gated_units import GatedUnit
+from .layout import ExpertsLayout, UnsupportedExpertsLayout, has_default_gate, is_silu, read_layout
+from .versions import installed_version
 
 
 class UnsupportedMoeBlock(ValueError):
     """A transformers MoE block that ``replace_moe_blocks`` cannot turn into an equal moe_layer."""
 
     def __init__(self, name: str, module: torch.nn.Module, problem: str):
-        self.module_name, self.module_class = name, type(module).__name__
+        self.module_name, self.module_class, self.problem = name, type(module).__name__, problem
         super().__init__(f"replace_moe_blocks: module '{name}' ({self.module_class}): {problem}")
 
 
@@ -44,26 +52,24 @@ class BlockLayout(NamedTuple):
     router: torch.nn.Module                   # holds ``weight`` [E, H] (and ``bias`` for gpt-oss)
     selection_bias: Optional[torch.Tensor]    # e_score_correction_bias [E]
     experts: torch.nn.Module
-    experts_kind: str                         # 'rows', 'columns' (llama_ffn) or 'gpt_oss' (clamped_swiglu)
-    hidden_size: int                          # I, per expert
+    experts_layout: ExpertsLayout             # the routed experts, as the experts implementation reads them
+    experts_type: str                         # the tutel experts type: 'llama_ffn' or 'clamped_swiglu'
     shared: Optional[torch.nn.Module]         # gate_proj / up_proj / down_proj MLP
     shared_gate: Optional[torch.nn.Module]    # Linear(H, 1) of Qwen2-MoE
     is_postscore: bool
     returns: str                              # 'hidden', 'hidden_and_weights' or 'hidden_and_logits'
 
 
-# family: (router attribute, routing rule, experts kind, shared attribute, shared-gate attribute, returns)
+# family: (router attribute, routing rule, shared attribute, shared-gate attribute, returns)
 _FAMILIES = {
-    "MixtralSparseMoeBlock": ("mixtral", "gate", "softmax_renormalised", "rows", None, None, "hidden"),
-    "Qwen2MoeSparseMoeBlock": ("qwen2_moe", "gate", "softmax", "rows", "shared_expert", "shared_expert_gate",
-                               "hidden"),
-    "Qwen3MoeSparseMoeBlock": ("qwen3_moe", "gate", "softmax", "rows", None, None, "hidden"),
-    "OlmoeSparseMoeBlock": ("olmoe", "gate", "softmax", "rows", None, None, "hidden"),
-    "DeepseekV3MoE": ("deepseek_v3", "gate", "sigmoid_grouped", "rows", "shared_experts", None, "hidden"),
-    "Glm4MoeMoE": ("glm4_moe", "gate", "sigmoid_grouped", "rows", "shared_experts", None, "hidden"),
-    "GptOssMLP": ("gpt_oss", "router", "topk_softmax", "gpt_oss", None, None, "hidden_and_weights"),
-    "Llama4TextMoe": ("llama4", "router", "sigmoid_before_expert", "columns", "shared_expert", None,
-                      "hidden_and_logits"),
+    "MixtralSparseMoeBlock": ("mixtral", "gate", "softmax_renormalised", None, None, "hidden"),
+    "Qwen2MoeSparseMoeBlock": ("qwen2_moe", "gate", "softmax", "shared_expert", "shared_expert_gate", "hidden"),
+    "Qwen3MoeSparseMoeBlock": ("qwen3_moe", "gate", "softmax", None, None, "hidden"),
+    "OlmoeSparseMoeBlock": ("olmoe", "gate", "softmax", None, None, "hidden"),
+    "DeepseekV3MoE": ("deepseek_v3", "gate", "sigmoid_grouped", "shared_experts", None, "hidden"),
+    "Glm4MoeMoE": ("glm4_moe", "gate", "sigmoid_grouped", "shared_experts", None, "hidden"),
+    "GptOssMLP": ("gpt_oss", "router", "topk_softmax", None, None, "hidden_and_weights"),
+    "Llama4TextMoe": ("llama4", "router", "sigmoid_before_expert", "shared_expert", None, "hidden_and_logits"),
 }
 
 SUPPORTED_BLOCKS = tuple(_FAMILIES)
@@ -107,10 +113,32 @@ def _tensor(name: str, block: torch.nn.Module, owner: torch.nn.Module, attribute
 def _require_silu(name: str, block: torch.nn.Module, owner: torch.nn.Module) -> None:
     """The experts' activation must compute SiLU exactly (tutel's SwiGLU experts use F.silu)."""
     act_fn = getattr(owner, "act_fn", None) or getattr(owner, "activation_fn", None)  # Llama 4's MLP: activation_fn
-    probe = torch.linspace(-6, 6, 25, dtype=torch.float64)
-    if not callable(act_fn) or not torch.equal(act_fn(probe), F.silu(probe)):
+    if not is_silu(act_fn):
         raise UnsupportedMoeBlock(name, block, f"the activation of `{type(owner).__name__}` is {act_fn!r}; only SiLU "
                                                f"(hidden_act='silu') experts can be replaced")
+
+
+def _read_experts(name: str, block: torch.nn.Module, experts: torch.nn.Module, model_dim: int):
+    """(the routed experts' layout, the tutel experts type holding them exactly)."""
+    try:
+        layout = read_layout(experts)
+    except UnsupportedExpertsLayout as error:
+        raise UnsupportedMoeBlock(name, block, f"its experts: {error}") from error
+    if layout.model_dim != model_dim:
+        raise UnsupportedMoeBlock(name, block, f"the router takes tokens of {model_dim} features, the experts "
+                                               f"{layout.model_dim}")
+    if layout.inner_dim < 1:
+        raise UnsupportedMoeBlock(name, block, "the experts' gate_up_proj has no hidden units")
+    unit = layout.gate
+    if isinstance(unit, GatedUnit) and unit.up_offset == 1.0 and layout.transposed and layout.up_bias is not None \
+            and layout.post_fn is None:
+        return layout, "clamped_swiglu"  # gpt-oss's own unit and layout
+    if unit == "swiglu" and layout.up_bias is None and layout.post_fn is None:
+        return layout, "llama_ffn"
+    if unit is None and layout.activation is None and has_default_gate(experts):
+        _require_silu(name, block, experts)  # names a gate rule of another activation
+    raise UnsupportedMoeBlock(name, block, f"the experts ({type(experts).__name__}) are not SwiGLU experts without "
+                                           f"biases or post-expert norm, nor gpt-oss's clamped unit with biases")
 
 
 def _integer(name: str, block: torch.nn.Module, owner: torch.nn.Module, attribute: str) -> int:
@@ -123,7 +151,10 @@ def _integer(name: str, block: torch.nn.Module, owner: torch.nn.Module, attribut
 
 def _routing(name: str, block: torch.nn.Module, router: torch.nn.Module, rule: str):
     """(gate options, logits mode, is_postscore) reproducing the family's router."""
-    k = _integer(name, block, router, "top_k")
+    # The settings are read where the release's routing code reads them: the block where it routes
+    # the tokens itself (DeepSeek-V3 and GLM-4.5 before transformers 5.13), else the router.
+    settings = block if callable(getattr(type(block), "route_tokens_to_experts", None)) else router
+    k = _integer(name, block, settings, "top_k")
     if rule == "softmax_renormalised":  # Mixtral: softmax in float32 over the model-dtype logits
         jitter = getattr(block, "jitter_noise", 0.0) or 0.0
         if jitter > 0:
@@ -131,14 +162,15 @@ def _routing(name: str, block: torch.nn.Module, router: torch.nn.Module, rule: s
                                                    f"in training) has no tutel equivalent; set it to 0")
         return {"k": k, "renormalize": True, "balance_loss": "global_batch"}, "float32_logits", True
     if rule == "softmax":  # Qwen2/3-MoE, OLMoE: softmax(dtype=float32), optional renormalisation
-        return ({"k": k, "renormalize": bool(getattr(router, "norm_topk_prob", False)),
+        return ({"k": k, "renormalize": bool(getattr(settings, "norm_topk_prob", False)),
                  "balance_loss": "global_batch"}, "float32_logits", True)
     if rule == "sigmoid_grouped":  # DeepSeek-V3, GLM-4.5: float32 router, bias, group-limited top-k
-        scale = getattr(router, "routed_scaling_factor", 1.0)
+        scale = getattr(settings, "routed_scaling_factor", 1.0)
         options = {"k": k, "score_function": "sigmoid", "selection_bias": True,
-                   "renormalize": bool(getattr(router, "norm_topk_prob", False)),
+                   "renormalize": bool(getattr(settings, "norm_topk_prob", False)),
                    "routed_scaling_factor": float(scale), "balance_loss": "sequence"}
-        n_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+        n_group = getattr(settings, "num_group", getattr(settings, "n_group", None))  # "n_group" before 5.13
+        topk_group = getattr(settings, "topk_group", None)
         if n_group is not None or topk_group is not None:  # the layer names any contradiction
             options.update(n_group=n_group, topk_group=topk_group)
         return options, "float32_inputs", True
@@ -153,11 +185,21 @@ def _routing(name: str, block: torch.nn.Module, router: torch.nn.Module, rule: s
 
 def read_block(name: str, block: torch.nn.Module) -> BlockLayout:
     """Reads one sparse-MoE block of a ``SUPPORTED_BLOCKS`` class (``name`` is its path in the
-    model, for messages).  Raises UnsupportedMoeBlock for anything tutel cannot reproduce."""
+    model, for messages).  Raises UnsupportedMoeBlock for anything tutel cannot reproduce; for a
+    block of a known family the message names the family and the installed transformers release."""
     entry = _FAMILIES.get(type(block).__name__)
     if entry is None:
         raise UnsupportedMoeBlock(name, block, f"no known layout; supported blocks: {', '.join(SUPPORTED_BLOCKS)}")
-    family, router_attr, rule, kind, shared_attr, shared_gate_attr, returns = entry
+    try:
+        return _read_family_block(name, block, *entry)
+    except UnsupportedMoeBlock as error:
+        raise UnsupportedMoeBlock(name, block, f"{error.problem} (family {entry[0]}, transformers "
+                                               f"{installed_version()})") from None
+
+
+def _read_family_block(name: str, block: torch.nn.Module, family: str, router_attr: str, rule: str,
+                       shared_attr: Optional[str], shared_gate_attr: Optional[str], returns: str) -> BlockLayout:
+    """read_block for a block of a known family, its ``_FAMILIES`` entry spread out."""
     router = _child(name, block, router_attr)
     experts = _child(name, block, "experts")
     num_experts = _integer(name, block, experts, "num_experts")
@@ -170,33 +212,10 @@ def read_block(name: str, block: torch.nn.Module) -> BlockLayout:
     if gate["k"] > num_experts:
         raise UnsupportedMoeBlock(name, block, f"top_k={gate['k']} exceeds the {num_experts} experts")
 
+    experts_layout, experts_type = _read_experts(name, block, experts, model_dim)
     E, H = num_experts, model_dim
-    if kind == "rows":
-        up = getattr(experts, "gate_up_proj", None)
-        inner = up.shape[1] // 2 if isinstance(up, torch.Tensor) and up.dim() == 3 else -1
-        _tensor(name, block, experts, "gate_up_proj", (E, 2 * inner, H))
-        _tensor(name, block, experts, "down_proj", (E, H, inner))
-        _require_silu(name, block, experts)
-        for flag, allowed in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True)):
-            if getattr(experts, flag, allowed) is not allowed:
-                raise UnsupportedMoeBlock(name, block, f"experts flag {flag}={getattr(experts, flag)!r}; "
-                                                       f"this family's layout has {flag}={allowed}")
-    elif kind == "columns":
-        up = getattr(experts, "gate_up_proj", None)
-        inner = up.shape[2] // 2 if isinstance(up, torch.Tensor) and up.dim() == 3 else -1
-        _tensor(name, block, experts, "gate_up_proj", (E, H, 2 * inner))
-        _tensor(name, block, experts, "down_proj", (E, inner, H))
-        _require_silu(name, block, experts)
-    else:  # gpt_oss
-        up = getattr(experts, "gate_up_proj", None)
-        inner = up.shape[2] // 2 if isinstance(up, torch.Tensor) and up.dim() == 3 else -1
-        _tensor(name, block, experts, "gate_up_proj", (E, H, 2 * inner))
-        _tensor(name, block, experts, "gate_up_proj_bias", (E, 2 * inner))
-        _tensor(name, block, experts, "down_proj", (E, inner, H))
-        _tensor(name, block, experts, "down_proj_bias", (E, H))
+    if experts_type == "clamped_swiglu":
         _tensor(name, block, router, "bias", (E,))
-    if inner < 1:
-        raise UnsupportedMoeBlock(name, block, "the experts' gate_up_proj has no hidden units")
 
     selection_bias = None
     if gate.get("selection_bias"):
@@ -214,5 +233,5 @@ def read_block(name: str, block: torch.nn.Module) -> BlockLayout:
         if not isinstance(shared_gate, torch.nn.Linear) or shared_gate.bias is not None or \
                 tuple(shared_gate.weight.shape) != (1, H):
             raise UnsupportedMoeBlock(name, block, f"`{shared_gate_attr}` must be a Linear({H}, 1) without bias")
-    return BlockLayout(family, H, E, gate, logits, router, selection_bias, experts, kind, inner, shared,
-                       shared_gate, is_postscore, returns)
+    return BlockLayout(family, H, E, gate, logits, router, selection_bias, experts, experts_layout, experts_type,
+                       shared, shared_gate, is_postscore, returns)

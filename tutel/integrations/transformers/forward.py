@@ -48,7 +48,7 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
         return out
     _check_call(self, hidden_states, top_k_index, top_k_weights)
     layout = read_layout(self)
-    width = layout.up_weight.shape[1] if layout.transposed else layout.up_weight.shape[2]
+    width = layout.model_dim
     if hidden_states.shape[1] != width:
         raise ValueError(f'experts_implementation="tutel": {type(self).__name__} takes tokens of {width} features, '
                          f"got hidden_states {tuple(hidden_states.shape)}")

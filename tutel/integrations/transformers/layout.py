@@ -1,27 +1,43 @@
-"""What a transformers experts module looks like, read from the flags its class declares.
+"""How the tensors of a transformers experts module are laid out: the one reader of them, used by
+the "tutel" experts implementation (``forward``, ``one_call``, ``registration``) and by
+``replace_moe_blocks`` (``block_layouts``).
 
 transformers' ``@use_experts_implementation(...)`` decorator stores the layout of an experts
 module on each instance: ``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated``,
 ``has_post_expert_norm`` and the expert-parallel marker ``_is_expert_parallel``; a class may
-also replace the gate rule by defining ``_apply_gate``.  ``read_layout`` checks a module against
-those flags (the flag, the tensors it implies and their shapes) and raises
-``UnsupportedExpertsLayout``, naming the module class and the flag, for anything the tutel
-experts cannot run exactly.
+also replace the gate rule by defining ``_apply_gate``.  A flag that the installed release does
+not set yet takes the value that release's code implies (``versions.implied_flags``).  A few experts
+classes transformers ships without the decorator have the layout their code fixes
+(``UNDECORATED_LAYOUTS``); ``replace_moe_blocks`` reads them, the experts implementation never
+runs them (transformers does not dispatch them, ``is_dispatched``).
 
-Only shapes and Python attributes are read, so under ``torch.compile`` the checks are settled
-at trace time and cost nothing afterwards.
+``read_layout`` checks a module against its flags (the flag, the tensors it implies and their
+shapes) and raises ``UnsupportedExpertsLayout``, naming the module class and the flag, for
+anything the tutel experts cannot run exactly.  Only shapes and Python attributes are read, so
+under ``torch.compile`` the checks are settled at trace time and cost nothing afterwards.
 """
 import math
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import _default_apply_gate
+from transformers.integrations.moe import _default_apply_gate, use_experts_implementation
 
-from ...ops.gated_units import GatedUnit
+from ...ops.gated_units import GatedUnit, split_gate_up
+from .versions import implied_flags, installed_version
 
 # The flags the decorator sets, in the order they are checked.
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm", "_is_expert_parallel")
+
+# The flags the installed release does not set, with the values its code implies.
+_IMPLIED_FLAGS = implied_flags(installed_version())
+
+# Experts classes without the decorator whose forward fixes their layout (class name -> flags).
+UNDECORATED_LAYOUTS: Dict[str, Dict[str, bool]] = {
+    # Llama 4: concatenated SwiGLU halves, weights [E, H, 2I] and [E, I, H] used as bmm operands
+    "Llama4TextExperts": dict(has_gate=True, has_bias=False, is_transposed=True, is_concatenated=True,
+                              has_post_expert_norm=False, _is_expert_parallel=False),
+}
 
 
 class UnsupportedExpertsLayout(ValueError):
@@ -49,9 +65,38 @@ class ExpertsLayout(NamedTuple):
     num_experts: int
     expert_parallel: bool
 
+    @property
+    def model_dim(self) -> int:
+        """The width of the tokens the experts take (and give back)."""
+        return self.up_weight.shape[1] if self.transposed else self.up_weight.shape[2]
+
+    @property
+    def inner_dim(self) -> int:
+        """The width of each expert's hidden values (the down projection's inputs)."""
+        return self.down_weight.shape[1] if self.transposed else self.down_weight.shape[2]
+
+
+def is_dispatched(module: torch.nn.Module) -> bool:
+    """Whether transformers runs `module` through ``ExpertsInterface``: its class's forward is the
+    one ``@use_experts_implementation`` installs (which looks the experts implementation up by name)."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return hasattr(forward, "__wrapped__") and code is not None and \
+        code.co_filename == use_experts_implementation.__code__.co_filename
+
+
+def is_silu(function: Callable) -> bool:
+    """Whether `function` is known to compute x * sigmoid(x) exactly as F.silu does."""
+    return isinstance(function, (torch.nn.SiLU, SiLUActivation)) or function is torch.nn.functional.silu
+
 
 def _flag(module: torch.nn.Module, name: str) -> bool:
+    fixed = UNDECORATED_LAYOUTS.get(type(module).__name__)
+    if fixed is not None and not is_dispatched(module):
+        return fixed[name]
     if not hasattr(module, name):
+        if name in _IMPLIED_FLAGS:
+            return _IMPLIED_FLAGS[name]
         raise UnsupportedExpertsLayout(
             module, name, "the flag is not set; is the class decorated with "
             "transformers.integrations.moe.use_experts_implementation?")
@@ -83,15 +128,13 @@ def _callable(module: torch.nn.Module, name: str, flag: str) -> Callable[[torch.
     return function
 
 
-def _is_silu(function: Callable) -> bool:
-    """Whether `function` is known to compute x * sigmoid(x) exactly as F.silu does."""
-    return isinstance(function, (torch.nn.SiLU, SiLUActivation)) or function is torch.nn.functional.silu
-
-
-def _interleaved_gate(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The default gate on interleaved rows [g0, u0, g1, u1, ...]: act_fn(gate) * up."""
+def _default_gate(act_fn: Callable[[torch.Tensor], torch.Tensor],
+                  interleaved: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' default gate rule, act_fn(gate) * up, on concatenated halves [g | u] or on
+    interleaved rows [g0, u0, g1, u1, ...]."""
     def gate(gate_up: torch.Tensor) -> torch.Tensor:
-        return act_fn(gate_up[..., 0::2]) * gate_up[..., 1::2]
+        gate_values, up = split_gate_up(gate_up, interleaved)
+        return act_fn(gate_values) * up
     return gate
 
 
@@ -112,21 +155,24 @@ def _gpt_oss_unit(module: torch.nn.Module) -> Optional[GatedUnit]:
     return GatedUnit(float(alpha), 1.0, float(limit), interleaved=True)
 
 
+def has_default_gate(module: torch.nn.Module) -> bool:
+    """Whether a gated experts module runs transformers' default gate rule, act_fn(gate) * up
+    (its class defines no ``_apply_gate`` of its own)."""
+    return getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
+
+
 def _gate_rule(module: torch.nn.Module, concatenated: bool, up_width: int, inner: int):
     """(gate, gate_fn) for a gated module: the class's own ``_apply_gate`` when it defines one
     (it knows its layout), else transformers' default rule on the declared layout."""
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+    if not has_default_gate(module):
         return _gpt_oss_unit(module), _callable(module, "_apply_gate", "_apply_gate")
     if up_width != 2 * inner:
         raise UnsupportedExpertsLayout(
             module, "has_gate", f"the gate/up projection has {up_width} outputs, but the default gate needs twice "
                                 f"the down projection's {inner} inputs")
     act_fn = _callable(module, "act_fn", "act_fn")
-    if not concatenated:
-        return None, _interleaved_gate(act_fn)
-    if _is_silu(act_fn):
-        return "swiglu", module._apply_gate
-    return None, module._apply_gate
+    gate_fn = _default_gate(act_fn, interleaved=not concatenated)
+    return ("swiglu" if concatenated and is_silu(act_fn) else None), gate_fn
 
 
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
@@ -145,7 +191,7 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
                 module, "_is_expert_parallel" if expert_parallel else "num_experts",
                 f"`{name}` holds {tensor.shape[0]} experts but num_experts is {num_experts}")
     # [E, out, in] (F.linear) or [E, in, out] (is_transposed); the tokens' width is checked per call
-    up_out = up_weight.shape[2] if transposed else up_weight.shape[1]
+    up_in, up_out = (up_weight.shape[1], up_weight.shape[2]) if transposed else (up_weight.shape[2], up_weight.shape[1])
     down_in, down_out = (down_weight.shape[1], down_weight.shape[2]) if transposed \
         else (down_weight.shape[2], down_weight.shape[1])
     up_bias = down_bias = None
@@ -164,6 +210,9 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
             raise UnsupportedExpertsLayout(module, "has_gate", f"without a gate `up_proj` must have the down "
                                                                f"projection's {down_in} outputs, got {up_out}")
         activation = _callable(module, "act_fn", "act_fn")
+    if down_out != up_in:
+        raise UnsupportedExpertsLayout(module, "down_proj", f"`down_proj` gives {down_out} outputs, but the experts "
+                                                            f"take tokens of {up_in} features")
     post_fn = _callable(module, "post_expert_norm", "has_post_expert_norm") if post_norm else None
     return ExpertsLayout(up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation, post_fn,
                          num_experts, expert_parallel)

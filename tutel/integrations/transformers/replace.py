@@ -7,7 +7,7 @@ then offer tutel's per-call switches, ``l_aux``, expert parallelism over a proce
 checkpoint tools (``tutel.checkpoint``).  Every block is read and its layer built before the
 first one is swapped in, so an error leaves the model untouched.
 """
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,15 +58,15 @@ def _build_layer(name: str, block: torch.nn.Module, layout: BlockLayout, group, 
                                                 f"the group's {world_size} processes (it must divide them)")
     gate = dict(layout.gate, type="custom", module=TransformersRouter, logits=layout.logits, capacity_factor=0.0)
     gate.update(gate_overrides)
-    experts: Dict[str, Any] = {"num_experts_per_device": layout.num_experts // world_size,
-                               "hidden_size_per_expert": layout.hidden_size}
-    experts["type"] = "clamped_swiglu" if layout.experts_kind == "gpt_oss" else "llama_ffn"
-    if layout.experts_kind == "gpt_oss":
-        experts.update(alpha=float(layout.experts.alpha), limit=layout.experts.limit, interleaved=True)
+    experts: Dict[str, Any] = {"type": layout.experts_type, "num_experts_per_device": layout.num_experts // world_size,
+                               "hidden_size_per_expert": layout.experts_layout.inner_dim}
+    if layout.experts_type == "clamped_swiglu":
+        unit = layout.experts_layout.gate
+        experts.update(alpha=unit.alpha, limit=unit.limit, interleaved=unit.interleaved)
     if layout.shared is not None:
         experts["shared_experts"] = {"hidden_size": layout.shared.gate_proj.out_features,
                                      "gated": layout.shared_gate is not None}
-    reference = layout.experts.down_proj  # the experts' device and dtype
+    reference = layout.experts_layout.down_weight  # the experts' device and dtype
     try:
         with torch.random.fork_rng(devices=[]):  # the throw-away initialisation leaves the user's RNG alone
             layer = ReplacedMoeBlock(call_defaults=call_defaults, returns=layout.returns, family=layout.family,
@@ -105,19 +105,19 @@ def _load_weights(layer: ReplacedMoeBlock, layout: BlockLayout, rank: int, world
     with torch.no_grad():
         if layout.selection_bias is not None:
             gate.selection_bias.bias.copy_(layout.selection_bias)
-        experts, inner = layout.experts, layout.hidden_size
-        if layout.experts_kind == "gpt_oss":  # same names and layout: shared on one process, sliced on several
-            for attribute in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-                source = getattr(experts, attribute)
+        experts, inner = layout.experts_layout, layout.experts_layout.inner_dim
+        if layout.experts_type == "clamped_swiglu":  # the same layout: shared on one process, sliced on several
+            for attribute, source in (("gate_up_proj", experts.up_weight), ("gate_up_proj_bias", experts.up_bias),
+                                      ("down_proj", experts.down_weight), ("down_proj_bias", experts.down_bias)):
                 _share_parameter(layer.experts, attribute, _local(source, rank, world_size).detach()
                                  if world_size > 1 else source, expert=True)
         else:
-            up, down = _local(experts.gate_up_proj, rank, world_size), _local(experts.down_proj, rank, world_size)
-            if layout.experts_kind == "rows":  # [L, 2I, M] gate rows first, down [L, M, I]
+            up, down = _local(experts.up_weight, rank, world_size), _local(experts.down_weight, rank, world_size)
+            if experts.transposed:  # [L, M, 2I] gate columns first, down [L, I, M]
+                gate_w, up_w, down_w = up[..., :inner], up[..., inner:], down
+            else:  # [L, 2I, M] gate rows first, down [L, M, I]
                 gate_w, up_w, down_w = (up[:, :inner].transpose(1, 2), up[:, inner:].transpose(1, 2),
                                         down.transpose(1, 2))
-            else:  # columns: [L, M, 2I] gate columns first, down [L, I, M]
-                gate_w, up_w, down_w = up[..., :inner], up[..., inner:], down
             for attribute, value in (("W_fc1", gate_w), ("W_fc2", up_w), ("W_fc3", down_w)):
                 getattr(layer.experts, attribute).copy_(value.reshape(-1))
     if layout.shared is not None:
@@ -168,32 +168,36 @@ def replace_moe_blocks(model: torch.nn.Module, group=None, **switches) -> int:
     layouts = [(name, block, read_block(name, block)) for name, block in blocks]  # all checked before any change
     layers = [(name, _build_layer(name, block, layout, group, call_defaults, gate_overrides))
               for name, block, layout in layouts]
+    install_hook = _router_logits_hook(model)
     for name, layer in layers:
         _set_module(model, name, layer)
-    _keep_router_logits_recordable(model, [layer for _, layer in layers])
+    for _, layer in layers:
+        for gate in layer.gates:
+            install_hook(gate, "router_logits", 0)
     return len(layers)
 
 
-def _records_router_logits(model: torch.nn.Module) -> bool:
-    """Whether a (sub)model of `model` records router logits (``output_router_logits=True``)."""
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    return any("router_logits" in (_CAN_RECORD_REGISTRY.get(m) or getattr(type(m), "_can_record_outputs", None) or {})
-               for m in model.modules() if hasattr(type(m), "_can_record_outputs"))
-
-
-def _keep_router_logits_recordable(model: torch.nn.Module, layers: List[ReplacedMoeBlock]) -> None:
-    """transformers records router logits with forward hooks on its router classes, which the
-    replacement removed; the same hook on the new routers (whose output is the logits [T, E])
-    keeps ``output_router_logits=True`` and the model's own balance loss working."""
+def _router_logits_hook(model: torch.nn.Module) -> Callable[[torch.nn.Module, str, int], None]:
+    """transformers records router logits (``output_router_logits=True``) with forward hooks on its
+    router classes, which the replacement removes; the same hook on the new routers (whose output
+    is the logits [T, E]) keeps the option and the model's own balance loss working.  Returns the
+    release's hook installer, or a no-op where `model` records no router logits."""
     try:
-        from transformers.utils.output_capturing import install_output_capuring_hook
-        if not _records_router_logits(model):
-            return
-    except ImportError:  # another transformers version: router logits are not recorded
-        return
-    for layer in layers:
-        for gate in layer.gates:
-            install_output_capuring_hook(gate, "router_logits", 0)
+        from transformers.utils import output_capturing
+        registry = output_capturing._CAN_RECORD_REGISTRY
+    except (ImportError, AttributeError):  # a release without recorded outputs
+        return lambda *_: None
+    if not any("router_logits" in (registry.get(m) or getattr(type(m), "_can_record_outputs", None) or {})
+               for m in model.modules() if hasattr(type(m), "_can_record_outputs")):
+        return lambda *_: None
+    # spelt "capturing" in transformers 5.6-5.8, "capuring" in the other releases
+    for name in ("install_output_capuring_hook", "install_output_capturing_hook"):
+        if hasattr(output_capturing, name):
+            return getattr(output_capturing, name)
+    import transformers
+    raise ValueError(f"replace_moe_blocks: {type(model).__name__} records router logits, but transformers "
+                     f"{transformers.__version__} has no output-capturing hook tutel knows "
+                     f"(transformers.utils.output_capturing.install_output_capuring_hook); nothing was replaced")
 
 
 def set_moe_switches(model: torch.nn.Module, **switches) -> int:
