@@ -67,6 +67,21 @@ def test_other_layouts_take_the_full_path(case):
         torch.testing.assert_close(ours(*inputs), _eager(eager, *inputs), **EXACT)
 
 
+def test_the_shortcut_runs_only_where_the_chooser_picks_one_call(monkeypatch):
+    """The path is tutel.rules.paths.choose_path's to pick: with the one-call rule taken out, the
+    shortcut declines, and the module's result (the full path's other rule) stays exact."""
+    from tutel.rules import paths
+    eager, ours = make_pair("mixtral")
+    inputs = make_inputs(5, 2)
+    with torch.no_grad():
+        assert one_call_forward(ours, *inputs) is not None
+    monkeypatch.setattr(paths, "RULES", tuple(rule for rule in paths.RULES
+                                              if rule.path is not paths.Path.EXPERTS_ONE_CALL))
+    with torch.no_grad():
+        assert one_call_forward(ours, *inputs) is None
+        torch.testing.assert_close(ours(*inputs), _eager(eager, *inputs), **EXACT)
+
+
 def test_calls_the_shortcut_declines():
     """Autograd, autocast, tokens in another dtype than the weights, more rows than one call takes,
     tokens of a tensor subclass: each left to the full path, whose result stays exact."""

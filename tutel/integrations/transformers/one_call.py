@@ -23,6 +23,7 @@ from ...rules.autocast import autocast_dtype
 from ...ops.gated_units import check_unit, unit_scalars
 from ...ops.precision import gemm_dtype
 from ...ops.tracing import direct_call_allowed, is_compiling
+from ...rules.paths import EXPERTS, Path, choose_path
 from .layout import FLAGS, read_layout
 
 # One C call for "no autocast anywhere" (cold, torch.is_autocast_enabled("cpu") costs 12 us more).
@@ -132,7 +133,7 @@ def one_call_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k
             or not direct_call_allowed(hidden_states, top_k_index, top_k_weights) or not hidden_states.is_cpu:
         return None
     one_call = _one_call_of(module)
-    if one_call is None or not fits_one_call(top_k_index.numel()):
+    if one_call is None:
         return None
     dtype = hidden_states.dtype
     up, down, up_bias, down_bias = one_call.tensors
@@ -144,8 +145,13 @@ def one_call_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k
             dtype.itemsize == 2 and gemm_dtype(dtype, hidden_states.device,
                                                top_k_index.numel() / tensors[0].shape[0]) != dtype):
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in tensors + (hidden_states, top_k_weights)):
+    # The chooser's facts for this call (the checks above are the direct call's own conditions: plain
+    # CPU tensors, no autocast, the weights in the tokens' dtype); the path is the chooser's to pick.
+    facts = {"device": "cpu", "traced": False, "gated_experts": True,
+             "rows_fit_one_call": fits_one_call(top_k_index.numel()),
+             "gradient": torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                         for t in tensors + (hidden_states, top_k_weights))}
+    if choose_path(EXPERTS, facts).path is not Path.EXPERTS_ONE_CALL:
         return None
     try:
         return routed_gated_experts_cpu(hidden_states, top_k_index, top_k_weights, *tensors, one_call.transposed,
