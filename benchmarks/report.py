@@ -23,6 +23,8 @@ MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distribut
 # the third one of the published layer shapes at decoding sizes
 FRAMEWORK_BENCHMARKS = ("transformers_moe", "transformers_moe_16bit_large", "transformers_moe_full_size")
 KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
+# optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
+CHANGE_BENCHMARKS = ("compare_builds",)
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
 GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels")
 
@@ -59,7 +61,8 @@ def with_layer_limit(rows: List[dict], gemm_gflops: Optional[float]) -> List[dic
 
 def load_results(directory: str) -> Dict[str, dict]:
     results = {}
-    for name in BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS + KERNEL_BENCHMARKS + GPU_BENCHMARKS:
+    for name in (BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS + KERNEL_BENCHMARKS + CHANGE_BENCHMARKS
+                 + GPU_BENCHMARKS):
         path = os.path.join(directory, f"{name}.json")
         if os.path.exists(path):
             with open(path) as handle:
@@ -597,6 +600,25 @@ def grouped_gemm_section(result: dict) -> str:
             f"{m['torch']}; finished {result['finished']}.\n\n" + format_table(result["rows"], result["columns"]))
 
 
+def compare_builds_section(result: dict) -> str:
+    """The last before/after run of benchmarks/compare_builds.py."""
+    m, revisions = result["machine"], result["revisions"]
+    rows = [{"case": r["case"], "candidate": r["candidate"], "before_ms": r["before_ms"], "after_ms": r["after_ms"],
+             "after/before": r["after/before"], "spread before": r["before_spread"], "spread after": r["after_spread"]}
+            for r in result["rows"]]
+    return ("## Before and after a change (`benchmarks/compare_builds.py`)\n\n"
+            f"tutel built at {revisions['before']} (before) and at {revisions['after']} (after), each in its own "
+            f"processes taking turns (before, after, after, before, ...: {result['rounds']} processes per build, "
+            f"{result['reps']} interleaved calls per candidate in each, every call on cold caches).  *tutel*: the "
+            "transformers experts module under `experts_implementation=\"tutel\"`; *moe_layer*: tutel's layer "
+            "with the same weights, its router included.  A time is the median over a build's processes; "
+            "*spread* is (slowest - fastest) / median of those processes, the noise to read *after/before* "
+            f"against.  Measured on: {m['cpu']} ({m['logical_cpus']} logical CPUs, {m['torch_threads']} threads); "
+            f"torch {m['torch']}; finished {result.get('finished', '?')}.\n\n"
+            + format_table(rows, ["case", "candidate", "before_ms", "after_ms", "after/before", "spread before",
+                                  "spread after"]))
+
+
 def transformers_section(result: dict, picture: str = "") -> str:
     m, limits = result["machine"], result["limits"]
     rates = gemm_rates(limits)
@@ -764,6 +786,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     if results.get("grouped_gemm"):
         parts.append(grouped_gemm_section(results["grouped_gemm"]))
     parts.append(CPU_GEMM_LINES)
+    if results.get("compare_builds"):
+        parts.append(compare_builds_section(results["compare_builds"]))
     if any(results.get(name) for name in GPU_BENCHMARKS):
         parts.append(gpu_section(results))
     parts.append(NOTES)
