@@ -35,7 +35,8 @@ timeout "${TUTEL_TRANSFORMERS_STEP_TIMEOUT:-600}" bash tests/integration/transfo
 
 echo "== Python: pytest =="
 # A hung test fails after TUTEL_TEST_TIMEOUT seconds (pytest-timeout) instead of eating the CI budget;
-# the slowest single tests (pip installs that build the extension) take a few minutes.
-python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" tests/python "$@"
+# the slowest single tests (pip installs that build the extension) take a few minutes.  The 30
+# slowest are listed at the end, where the CI budget goes.
+python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" --durations=30 tests/python "$@"
 [ "$deepspeed_status" -eq 0 ] || { echo "the DeepSpeed integration step failed (exit ${deepspeed_status})" >&2; exit 1; }
 [ "$transformers_status" -eq 0 ] || { echo "the transformers integration step failed (exit ${transformers_status})" >&2; exit 1; }
