@@ -11,29 +11,29 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/setup_env.sh
 
-echo "== C++ core: GoogleTest =="
+echo "== C++ core: GoogleTest (at ${SECONDS} s) =="
 cmake -S . -B build/cpp -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cpp -j "${MAX_JOBS}" >/dev/null
 ctest --test-dir build/cpp --output-on-failure -j "${MAX_JOBS}"
 
-echo "== C++ core: GoogleTest under AddressSanitizer + UBSan =="
+echo "== C++ core: GoogleTest under AddressSanitizer + UBSan (at ${SECONDS} s) =="
 cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DTUTEL_SANITIZE=ON >/dev/null
 cmake --build build/asan -j "${MAX_JOBS}" >/dev/null
 ctest --test-dir build/asan --output-on-failure -j "${MAX_JOBS}"
 
 # A separate step with its own time budget; its verdict is given after the main
 # pytest run, which stays the last test runner of this script.
-echo "== DeepSpeed integration (tests/integration/deepspeed/run.sh) =="
+echo "== DeepSpeed integration (tests/integration/deepspeed/run.sh) (at ${SECONDS} s) =="
 deepspeed_status=0
 timeout "${TUTEL_DEEPSPEED_STEP_TIMEOUT:-600}" bash tests/integration/deepspeed/run.sh || deepspeed_status=$?
 
 # The transformers integration against the oldest supported release (the main pytest run tests
 # the newest, which tests/setup_env.sh pins); verdict after pytest as well.
-echo "== transformers integration, oldest release (tests/integration/transformers/run.sh) =="
+echo "== transformers integration, oldest release (tests/integration/transformers/run.sh) (at ${SECONDS} s) =="
 transformers_status=0
 timeout "${TUTEL_TRANSFORMERS_STEP_TIMEOUT:-600}" bash tests/integration/transformers/run.sh || transformers_status=$?
 
-echo "== Python: pytest =="
+echo "== Python: pytest (at ${SECONDS} s) =="
 # A hung test fails after TUTEL_TEST_TIMEOUT seconds (pytest-timeout) instead of eating the CI budget;
 # the slowest single tests (pip installs that build the extension) take a few minutes.  The 30
 # slowest are listed at the end, where the CI budget goes.
