@@ -17,6 +17,13 @@ struct RouteExpertsArgs {
   at::Tensor selection_bias;  // [experts] float32 / float64, or undefined
   int64_t tokens = 0, experts = 0;
   core::RouteExpertsOptions options;
+
+  // The selection bias as the core and the kernels take it: the pointer of its dtype, the other null.
+  core::SelectionBias selection_bias_pointers() const {
+    const bool given = selection_bias.defined();
+    return {given && selection_bias.scalar_type() == at::kFloat ? selection_bias.data_ptr<float>() : nullptr,
+            given && selection_bias.scalar_type() == at::kDouble ? selection_bias.data_ptr<double>() : nullptr};
+  }
 };
 
 RouteExpertsArgs route_experts_args(const at::Tensor& logits, int64_t k, const std::string& score_function,
@@ -25,12 +32,15 @@ RouteExpertsArgs route_experts_args(const at::Tensor& logits, int64_t k, const s
                                     double routed_scaling_factor, bool batch_prioritized, int64_t capacity,
                                     bool with_loss);
 
+// What the forward returns (schemas.cpp), in the order of RouteExpertsOutputs.
+using RouteExpertsTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                     at::Tensor, at::Tensor, at::Tensor>;
+
 // The forward's outputs (schemas.cpp), allocated uninitialised on the logits' device.
 struct RouteExpertsOutputs {
   at::Tensor expert_ids, weights, locations, counts, dispatch_count, grouped_locations, ends, row_choices, loss;
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-  as_tuple() const {
+  RouteExpertsTuple as_tuple() const {
     return {expert_ids, weights, locations, counts, dispatch_count, grouped_locations, ends, row_choices, loss};
   }
 };

@@ -14,9 +14,6 @@ namespace tutel {
 namespace ops {
 namespace {
 
-using RouteExpertsTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                     at::Tensor, at::Tensor, at::Tensor>;
-
 template <class T>
 T* optional_ptr(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -31,10 +28,7 @@ RouteExpertsTuple route_experts_cpu(const at::Tensor& logits, int64_t k, c10::st
       route_experts_args(logits, k, std::string(score_function), softmax_after_topk, selection_bias, n_group,
                          topk_group, renormalize, routed_scaling_factor, batch_prioritized, capacity, with_loss);
   const RouteExpertsOutputs out = allocate_route_experts_outputs(a);
-  const at::Tensor& bias = a.selection_bias;
-  const core::SelectionBias core_bias{bias.defined() && bias.scalar_type() == at::kFloat ? bias.data_ptr<float>() : nullptr,
-                                      bias.defined() && bias.scalar_type() == at::kDouble ? bias.data_ptr<double>()
-                                                                                          : nullptr};
+  const core::SelectionBias core_bias = a.selection_bias_pointers();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.logits.scalar_type(), "route_experts", [&] {
     using A = core::acc_t<core_t<scalar_t>>;
     const core::RouteExpertsResult<A> result{

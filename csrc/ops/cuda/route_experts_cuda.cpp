@@ -19,14 +19,6 @@ const KernelFamily kRoute{"route_experts.cu", "route_experts_route"};
 const KernelFamily kPlan{"route_experts.cu", "route_experts_plan"};
 const KernelFamily kBackward{"route_experts.cu", "route_experts_backward"};
 
-using RouteExpertsTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                     at::Tensor, at::Tensor, at::Tensor>;
-
-template <class T>
-const T* bias_of_dtype(const at::Tensor& bias, at::ScalarType dtype) {
-  return bias.defined() && bias.scalar_type() == dtype ? bias.data_ptr<T>() : nullptr;
-}
-
 RouteExpertsTuple route_experts_cuda(const at::Tensor& logits, int64_t k, c10::string_view score_function,
                                      bool softmax_after_topk, const c10::optional<at::Tensor>& selection_bias,
                                      int64_t n_group, int64_t topk_group, bool renormalize,
@@ -52,13 +44,12 @@ RouteExpertsTuple route_experts_cuda(const at::Tensor& logits, int64_t k, c10::s
   char* acc = loss ? static_cast<char*>(acc_workspace.data_ptr()) : nullptr;
   void* chunk_sums = acc;
   void* column_sums = loss ? acc + plan.chunks * a.experts * acc_workspace.element_size() : nullptr;
-  const float* bias32 = bias_of_dtype<float>(a.selection_bias, at::kFloat);
-  const double* bias64 = bias_of_dtype<double>(a.selection_bias, at::kDouble);
+  const core::SelectionBias bias = a.selection_bias_pointers();
   const Variant variant = data_variant(a.logits.scalar_type());
   const int score = static_cast<int>(o.score), after_topk = o.softmax_after_topk, renorm = o.renormalize,
             loss_flag = loss, prioritized_flag = prioritized;
   cuda::launch_kernel(kRoute.get(scope.device(), variant), plan.route_grid, scope.stream(), "route_experts_route",
-                      input_ptr(a.logits), a.tokens, a.experts, o.k, score, after_topk, bias32, bias64, o.n_group,
+                      input_ptr(a.logits), a.tokens, a.experts, o.k, score, after_topk, bias.f32, bias.f64, o.n_group,
                       o.topk_group, renorm, o.routed_scaling_factor, loss_flag, prioritized_flag, plan.chunk_tokens,
                       output_ptr(out.expert_ids), output_ptr(out.weights), table, chunk_sums, output_ptr(keys),
                       run_tokens, sync);
