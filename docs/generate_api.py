@@ -33,6 +33,8 @@ SECTIONS = [
       "ExpertCoverageError", "ShapeError"]),
     ("tutel.ops.host_buffers — the CPU operators' buffer cache", "tutel.ops.host_buffers",
      ["cached_buffer_stats", "release_cached_buffers", "set_cached_buffer_limit"]),
+    ("tutel.ops.decode_experts — routed gated experts at decoding sizes", "tutel.ops.decode_experts",
+     ["decode_experts", "decode_experts_supported"]),
 ]
 
 

@@ -50,4 +50,27 @@ struct TutelErrorSink {
   unsigned long long call_id;
 };
 
+/* group_by_expert.cu keeps its bucket starts (experts + 2 ints) in shared memory up to this many
+ * ints, and in a scratch table the host allocates (a row per block) beyond. */
+#define TUTEL_GROUP_SHARED_BUCKETS 8192
+
+/* gated_units.cu: where the gates and ups of row r lie (unit i at r * stride + step * i; step 2
+ * for gpt-oss' interleaved layout, where both point into one row), and the unit's parameters
+ * (csrc/core/gated_units.h's GatedUnit; clamped 0 ignores limit). */
+struct TutelGatedOperands {
+  const void* gate;
+  long long gate_stride;
+  const void* up;
+  long long up_stride;
+  long long step;
+  long long rows;
+  long long width; /* I */
+};
+struct TutelGatedUnit {
+  double alpha;
+  double up_offset;
+  double limit;
+  int clamped;
+};
+
 #endif /* TUTEL_KERNEL_ABI_H */

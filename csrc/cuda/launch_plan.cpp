@@ -1,6 +1,7 @@
 #include "launch_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -58,6 +59,26 @@ SlotAssignmentPlan plan_slot_assignment(int64_t tokens, int64_t k, int64_t exper
 }
 
 Grid plan_priority_keys(int64_t tokens) { return Grid{blocks_for(tokens, TUTEL_BLOCK_THREADS), 1}; }
+
+GroupByExpertPlan plan_group_by_expert(int64_t tokens, int64_t k, int64_t experts) {
+  GroupByExpertPlan plan;
+  const int64_t choices = tokens * k, buckets = experts + 1;
+  // Each placing block (eight chunks) reads every chunk's row of counts: chunks * chunks / 8 *
+  // buckets reads in all.  Chunks of sqrt(choices * buckets / 32) choices (whole warps, at
+  // least 256) make that about four per choice, while many chunks still spread the work.
+  const auto balanced = int64_t(std::ceil(std::sqrt(double(choices) * double(buckets) / 32.0)));
+  plan.chunk_choices = std::max<int64_t>(256, blocks_for(balanced, 32) * 32);
+  plan.chunks = blocks_for(choices, plan.chunk_choices);
+  plan.table_ints = plan.chunks * buckets;
+  plan.count_grid = Grid{blocks_for(plan.chunks, kWarpsPerBlock), 1};
+  plan.place_grid = Grid{std::max<int64_t>(1, plan.count_grid.x), 1};
+  if (buckets + 1 > TUTEL_GROUP_SHARED_BUCKETS) plan.bucket_scratch_ints = plan.place_grid.x * (buckets + 1);
+  return plan;
+}
+
+Grid plan_gated_units(int64_t rows, int64_t width) {
+  return Grid{blocks_for(rows * width, TUTEL_BLOCK_THREADS), 1};
+}
 
 RowLayout plan_row_layout(int64_t model_dim, int64_t element_size,
                           std::initializer_list<const void*> row_pointers) {

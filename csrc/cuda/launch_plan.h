@@ -69,6 +69,26 @@ SlotAssignmentPlan plan_slot_assignment(int64_t tokens, int64_t k, int64_t exper
 // priority_sort_keys: one thread per token.
 Grid plan_priority_keys(int64_t tokens);
 
+// --------------------------------------------------- group_by_expert.cu --
+// count_expert_choices (one warp per chunk of chunk_choices choices) into a table
+// counts[chunks, experts + 1], then place_expert_choices (eight chunks per block, at least one
+// block, so that counts and ends are written even without choices) with a second table of that
+// size for the chunks' next slots, and, when the bucket starts exceed
+// TUTEL_GROUP_SHARED_BUCKETS ints, experts + 2 ints of scratch per block.
+struct GroupByExpertPlan {
+  int64_t chunk_choices = 0;
+  int64_t chunks = 0;
+  int64_t table_ints = 0;           // chunks * (experts + 1), for each of the two tables
+  int64_t bucket_scratch_ints = 0;  // 0 when the bucket starts fit in shared memory
+  Grid count_grid;
+  Grid place_grid;
+};
+GroupByExpertPlan plan_group_by_expert(int64_t tokens, int64_t k, int64_t experts);
+
+// ------------------------------------------------------- gated_units.cu --
+// gated_unit_forward / gated_unit_backward: one thread per unit of the [rows, width] result.
+Grid plan_gated_units(int64_t rows, int64_t width);
+
 // ---------------------------------------------------------- dispatch.cu --
 // How the row kernels walk a row of model_dim elements: 16-byte vectors (the
 // *_vector kernels) when the row length and every row pointer allow it, and a

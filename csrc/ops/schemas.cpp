@@ -68,6 +68,15 @@ TORCH_LIBRARY(tutel, m) {
       "routed_gated_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
       "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
       "bool interleaved, Tensor? gate_weight=None) -> Tensor");
+  // routed_gated_experts' result (the same arguments and rules) at decoding sizes, for inference
+  // (no autograd): expert_ids int32 / int64, weights of any floating dtype (both any strides).
+  // CUDA: two launches (kernels/decode_experts.cu), no host synchronisation: each chosen
+  // expert's matrices read once for all the tokens that chose it, the gated unit applied in
+  // registers, each token's weighted sum written once.  CPU: routed_gated_experts itself.
+  m.def(
+      "decode_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
+      "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
+      "bool interleaved, Tensor? gate_weight=None) -> Tensor");
   // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
   m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and

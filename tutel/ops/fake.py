@@ -109,6 +109,13 @@ def _routed_gated_experts(x, expert_ids, weights, up_weight, down_weight, up_bia
     return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))
 
 
+# decode_experts is routed_gated_experts' result at decoding sizes: [T, O] in x's dtype.
+@register_fake("tutel::decode_experts")
+def _decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, alpha, up_offset,
+                    limit, interleaved, gate_weight=None):
+    return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))
+
+
 @register_fake("tutel::route_experts")
 def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
                    routed_scaling_factor, batch_prioritized, capacity, with_loss):

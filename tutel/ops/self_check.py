@@ -12,12 +12,21 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots")
+OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
+             "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
 _REDUCTIONS = {("gather_slots", 1), ("scatter_slots", 1)}
 _DOT_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+# The gated units' outputs, which differ where the implementations' exponentials round
+# differently: each value within a few of its dtype's ulps (the absolute part covers values
+# near zero, where d gate cancels), and at most _UNIT_DIFFERING of them differing at all, since
+# a rounding difference shows in some values and a wrong result in all of them.
+_UNITS = {"gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward"}
+_UNIT_TOLERANCES = {torch.float64: dict(rtol=1e-13, atol=1e-13), torch.float32: dict(rtol=1e-5, atol=1e-5),
+                    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+_UNIT_DIFFERING = 0.5
 
 
 class Case(NamedTuple):
@@ -103,6 +112,7 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
                             s.experts, s.capacity))
                 yield Case("scatter_slots", f"{slot_tag} {weighted} distinct slots",
                            (src, *distinct, w, None, s.experts, s.capacity))
+        yield from _expert_cases(s, tag, g)
         yield Case("assign_locations", f"{tag} token order",
                    (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
         for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
@@ -110,6 +120,42 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
             mask = torch.randint(low, 2, (s.tokens * s.k, s.experts), generator=g).to(mask_dtype)
             yield Case("cumsum_sub_one", f"{str(mask_dtype).replace('torch.', '')} mask {tuple(mask.shape)}",
                        (mask,))
+
+
+# The gated units' parameters: SwiGLU, gpt-oss' (clamped, offset, interleaved), clamped halves.
+_UNIT_PARAMETERS = ((1.0, 0.0, None, False), (1.702, 1.0, 7.0, True), (0.5, -0.25, 3.0, False))
+
+
+def _unit_values(rows: int, columns: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Normal values times 4 with the clamp bounds (±7, ±3), NaN, -0 and ±90 in some places.  No
+    infinities: at g = -inf the CPU operator's vectorised exponential saturates (h = ±inf where
+    sigmoid(-inf) = 0 makes the formula's g * s NaN)."""
+    values = torch.randn(rows, columns, generator=generator, dtype=torch.float64) * 4
+    specials = torch.tensor([7.0, -7.0, 3.0, -3.0, float("nan"), 90.0, -90.0, -0.0], dtype=torch.float64)
+    pick = torch.randint(0, 64, (rows, columns), generator=generator)
+    values = torch.where(pick < len(specials), specials[pick.clamp(max=len(specials) - 1)], values)
+    return values.to(dtype)
+
+
+def _expert_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
+    """group_by_expert (int32 and int64 ids, some outside [0, E), a transposed view) and the gated
+    units (every data dtype and unit; I = model_dim)."""
+    ids = torch.randint(-2, s.experts + 2, (s.tokens, s.k), generator=g)
+    yield Case("group_by_expert", f"int64 ids {tag}", (ids, s.experts))
+    yield Case("group_by_expert", f"int32 ids transposed {tag}", (ids.t().contiguous().to(torch.int32).t(), s.experts))
+    width = s.model_dim
+    for dtype in DATA_DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for alpha, offset, limit, interleaved in _UNIT_PARAMETERS:
+            unit = f"{name} alpha={alpha} up_offset={offset} limit={limit} interleaved={interleaved} {tag} I={width}"
+            gate_up = _unit_values(s.tokens, 2 * width, dtype, g)
+            grad = _unit_values(s.tokens, width, dtype, g)
+            yield Case("gated_unit", unit, (gate_up, alpha, offset, limit, interleaved))
+            yield Case("gated_unit_backward", unit, (grad, gate_up, alpha, offset, limit, interleaved))
+            if not interleaved:
+                gate, up = gate_up[:, :width], gate_up[:, width:]  # row-strided views
+                yield Case("gated_unit_pair", unit, (gate, up, alpha, offset, limit))
+                yield Case("gated_unit_pair_backward", unit, (grad, gate, up, alpha, offset, limit))
 
 
 def _to(value, device: torch.device):
@@ -120,6 +166,8 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
     """None when `got` agrees with `expected` (both on the CPU), else what differs."""
     if expected.dtype != got.dtype or expected.shape != got.shape:
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
+    if operator in _UNITS:
+        return _compare_unit_values(number, expected, got)
     if (operator, number) in _REDUCTIONS:
         close = torch.isclose(got, expected, equal_nan=True, **_DOT_TOLERANCES[expected.dtype])
         if bool(close.all()):
@@ -136,6 +184,16 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
     first = tuple(int(i) for i in differ.nonzero()[0])
     return (f"output {number}: {int(differ.sum())} of {differ.numel()} values differ, first at {first}: "
             f"{got[first].item()} instead of {expected[first].item()}")
+
+
+def _compare_unit_values(number: int, expected: torch.Tensor, got: torch.Tensor) -> Optional[str]:
+    close = torch.isclose(got, expected, equal_nan=True, **_UNIT_TOLERANCES[expected.dtype])
+    if not bool(close.all()):
+        return f"output {number}: {int((~close).sum())} of {close.numel()} values differ beyond rounding"
+    differ = int((got != expected).logical_and(~(got.isnan() & expected.isnan())).sum())
+    if differ > _UNIT_DIFFERING * max(1, expected.numel()):
+        return f"output {number}: {differ} of {expected.numel()} values differ (by rounding: more than a rounding explains)"
+    return None
 
 
 def compare_operators(fast, reference, device: torch.device, sizes: Sequence[Sizes] = QUICK_SIZES,

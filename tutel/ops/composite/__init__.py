@@ -15,7 +15,10 @@ which synchronises with the host; so do the data-dependent sizes of
 ``scatter_slots``.  They therefore cannot be captured in a CUDA graph.
 """
 from .cumsum import cumsum_sub_one
+from .experts import (gated_unit, gated_unit_backward, gated_unit_pair, gated_unit_pair_backward,
+                      group_by_expert)
 from .routing import assign_locations, route_topk
 from .slots import gather_slots, scatter_slots
 
-__all__ = ["assign_locations", "cumsum_sub_one", "gather_slots", "route_topk", "scatter_slots"]
+__all__ = ["assign_locations", "cumsum_sub_one", "gated_unit", "gated_unit_backward", "gated_unit_pair",
+           "gated_unit_pair_backward", "gather_slots", "group_by_expert", "route_topk", "scatter_slots"]

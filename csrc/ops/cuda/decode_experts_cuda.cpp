@@ -1,0 +1,102 @@
+// CUDA implementation of tutel::decode_experts (kernels/decode_experts.cu): the gate/up kernel
+// (the gated unit applied in registers, into an [T k, I] scratch in the accumulation type), then
+// the down kernel (each token's weighted sum over its choices written once).  Two launches and
+// no host synchronisation: the expert ids and routing weights are read on the device as they
+// are (int32 / int64 ids, weights of any floating dtype, any strides), and every size comes from
+// the shapes.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "../../cuda/expert_launch_plan.h"
+#include "../decode_experts_args.h"
+#include "cuda_op.h"
+
+namespace tutel {
+namespace ops {
+namespace cuda_ops {
+namespace {
+
+const KernelFamily kGateUpRowsVector{"decode_experts.cu", "decode_gate_up_rows_vector"};
+const KernelFamily kGateUpRowsScalar{"decode_experts.cu", "decode_gate_up_rows_scalar"};
+const KernelFamily kGateUpColumnsVector{"decode_experts.cu", "decode_gate_up_columns_vector"};
+const KernelFamily kGateUpColumnsScalar{"decode_experts.cu", "decode_gate_up_columns_scalar"};
+const KernelFamily kDownRowsVector{"decode_experts.cu", "decode_down_rows_vector"};
+const KernelFamily kDownRowsScalar{"decode_experts.cu", "decode_down_rows_scalar"};
+const KernelFamily kDownColumnsVector{"decode_experts.cu", "decode_down_columns_vector"};
+const KernelFamily kDownColumnsScalar{"decode_experts.cu", "decode_down_columns_scalar"};
+
+int weights_dtype_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble: return TUTEL_WEIGHTS_FLOAT64;
+    case at::kHalf: return TUTEL_WEIGHTS_FLOAT16;
+    case at::kBFloat16: return TUTEL_WEIGHTS_BFLOAT16;
+    default: return TUTEL_WEIGHTS_FLOAT32;  // float32, the one floating dtype left (checked)
+  }
+}
+
+TutelDecodeRouting routing_of(const DecodeExpertsArgs& a) {
+  TutelDecodeRouting r{};
+  r.expert_ids = input_ptr(a.expert_ids);
+  r.ids_token_stride = a.expert_ids.stride(0);
+  r.ids_choice_stride = a.expert_ids.stride(1);
+  r.ids_int64 = a.expert_ids.scalar_type() == at::kLong;
+  if (a.weights.defined()) {  // else weights stays null: weight 1
+    r.weights = input_ptr(a.weights);
+    r.weights_token_stride = a.weights.stride(0);
+    r.weights_choice_stride = a.weights.stride(1);
+    r.weights_dtype = weights_dtype_of(a.weights.scalar_type());
+  }
+  r.tokens = a.tokens;
+  r.k = a.k;
+  r.experts = a.experts;
+  return r;
+}
+
+at::Tensor decode_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids,
+                               const c10::optional<at::Tensor>& weights, const at::Tensor& up_weight,
+                               const at::Tensor& down_weight, const c10::optional<at::Tensor>& up_bias,
+                               const c10::optional<at::Tensor>& down_bias, bool transposed, double alpha,
+                               double up_offset, c10::optional<double> limit, bool interleaved,
+                               const c10::optional<at::Tensor>& gate_weight) {
+  const DecodeExpertsArgs a = decode_experts_args(x, expert_ids, weights, up_weight, down_weight, up_bias,
+                                                  down_bias, transposed, alpha, up_offset, limit, interleaved,
+                                                  gate_weight);
+  CudaOpScope scope(a.x);
+  at::Tensor out = at::empty({a.tokens, a.outputs}, a.x.options());
+  if (out.numel() == 0) return out;
+  if (a.k == 0) return out.zero_();  // no choices: every token's sum is empty (no kernel grid)
+  const cuda::DecodePlan plan = cuda::plan_decode_experts(
+      a.tokens, a.k, a.hidden, a.inter, a.outputs, transposed, a.x.element_size(), input_ptr(a.x), a.x.stride(0),
+      {input_ptr(a.up_weight), input_ptr(a.gate_weight)}, input_ptr(a.down_weight));
+  // Scratch from PyTorch's caching allocator (no launch): h and y in the accumulation type, and
+  // the down kernel's per-(token, tile) counters, which the gate/up kernel zeroes.
+  const auto acc = a.x.options().dtype(a.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  const at::Tensor h = at::empty({a.tokens * a.k, a.inter}, acc);
+  const at::Tensor y = at::empty({a.tokens * a.k, a.outputs}, acc);
+  const at::Tensor counters = at::empty({plan.counter_ints}, a.x.options().dtype(at::kInt));
+  const TutelDecodeRouting routing = routing_of(a);
+  const TutelDecodeUnit unit{alpha, up_offset, limit.value_or(0.0), int(limit.has_value()), int(interleaved)};
+  const Variant variant = data_variant(a.x.scalar_type());
+  const KernelFamily& gate_up = transposed ? (plan.gate_up_vector ? kGateUpColumnsVector : kGateUpColumnsScalar)
+                                           : (plan.gate_up_vector ? kGateUpRowsVector : kGateUpRowsScalar);
+  const KernelFamily& down = transposed ? (plan.down_vector ? kDownColumnsVector : kDownColumnsScalar)
+                                        : (plan.down_vector ? kDownRowsVector : kDownRowsScalar);
+  const int64_t x_stride = a.x.stride(0), hidden = a.hidden, inter = a.inter, outputs = a.outputs;
+  const int64_t counter_count = plan.counter_ints;
+  cuda::launch_kernel(gate_up.get(scope.device(), variant), plan.gate_up_grid, scope.stream(),
+                      "decode_experts (gate/up)", input_ptr(a.x), x_stride, routing, input_ptr(a.up_weight),
+                      input_ptr(a.gate_weight), input_ptr(a.up_bias), hidden, inter, unit, output_ptr(h),
+                      output_ptr(counters), counter_count, output_ptr(out), outputs);
+  cuda::launch_kernel(down.get(scope.device(), variant), plan.down_grid, scope.stream(), "decode_experts (down)",
+                      input_ptr(h), routing, input_ptr(a.down_weight), input_ptr(a.down_bias), inter, outputs,
+                      output_ptr(y), output_ptr(counters), output_ptr(out));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tutel, CUDA, m) { m.impl("decode_experts", &decode_experts_cuda); }
+
+}  // namespace cuda_ops
+}  // namespace ops
+}  // namespace tutel
