@@ -56,7 +56,17 @@ CPU_INFERENCE = dict(device="cpu", gradient=False, traced=False, plain=True, aut
     ({"gated_experts": False}, Path.GROUPED_PIECES),
     ({"gradient": True}, Path.GROUPED),
     ({"traced": True}, Path.GROUPED),
-    ({"device": "cuda"}, Path.GROUPED),
+    ({"device": "cuda"}, Path.STATIC_GROUPED),
+    ({"device": "cuda", "decode_kernel": True}, Path.STATIC_DECODE),
+    ({"device": "cuda", "decode_kernel": True, "gradient": True}, Path.STATIC_GROUPED),
+    ({"device": "cuda", "decode_kernel": True, "capacity": "static"}, Path.STATIC_GROUPED),
+    ({"device": "cuda", "decode_kernel": True, "gated_experts": False}, Path.STATIC_GROUPED),
+    ({"device": "cuda", "capacity": "static", "layout": "padded"}, Path.STATIC_GROUPED),
+    ({"device": "cuda", "capacity": "capped"}, Path.GROUPED),
+    ({"device": "cuda", "tutel_routing": False}, Path.GROUPED),
+    ({"device": "cuda", "experts_in_pieces": False}, Path.GROUPED),
+    ({"device": "cuda", "token_dims": "several"}, Path.GROUPED),
+    ({"device": "cuda", "processes": "several"}, Path.EXPERT_PARALLEL),
     ({"gate_at_combine": False}, Path.GROUPED),
     ({"layout": "padded"}, Path.PADDED),
     ({"gradient": True, "experts_grouped": False}, Path.PADDED),
@@ -72,6 +82,9 @@ def test_layer_rules(change, expected):
     ({"gradient": True}, Path.EXPERTS_GROUPED),
     ({"traced": True}, Path.EXPERTS_GROUPED),
     ({"device": "cuda"}, Path.EXPERTS_GROUPED),
+    ({"device": "cuda", "decode_kernel": True}, Path.EXPERTS_DECODE),
+    ({"device": "cuda", "decode_kernel": True, "gradient": True}, Path.EXPERTS_GROUPED),
+    ({"device": "cuda", "decode_kernel": True, "gated_experts": False}, Path.EXPERTS_GROUPED),
 ])
 def test_experts_rules(change, expected):
     facts = dict(device="cpu", gradient=False, traced=False, gated_experts=True, rows_fit_one_call=True)

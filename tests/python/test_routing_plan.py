@@ -3,13 +3,14 @@
 Reference: the definition written as a Python loop over the choices in token-major order
 (t * k + j), which hands every kept choice the next free slot of its expert, experts one after
 the other, and puts the dropped ones (ids outside [0, E)) after all kept ones.  Both
-implementations are held to it: tutel's ``group_by_expert`` operator (CPU) and the tensor-ops
-version that devices run.
+implementations are held to it: tutel's ``group_by_expert`` operator (CPU) and the composite
+tensor-ops version that devices without tutel's kernels run (tutel.ops.composite.group_by_expert).
 """
 import pytest
 import torch
 
-from tutel.experts.routed import _plan_routing_by_sort, plan_routing
+from tutel.experts.routed import plan_routing
+from tutel.ops.backend import use_operators
 
 
 def reference_plan(expert_ids: torch.Tensor, num_experts: int):
@@ -45,7 +46,12 @@ def reference_plan(expert_ids: torch.Tensor, num_experts: int):
     return locations, slot_choices, sorted_ids, counts, ends
 
 
-IMPLEMENTATIONS = {"operator": plan_routing, "tensor_ops": _plan_routing_by_sort}
+def _plan_with_composite(expert_ids: torch.Tensor, num_experts: int):
+    with use_operators("composite"):
+        return plan_routing(expert_ids, num_experts)
+
+
+IMPLEMENTATIONS = {"operator": plan_routing, "tensor_ops": _plan_with_composite}
 
 
 def check_plan(implementation, expert_ids, num_experts):

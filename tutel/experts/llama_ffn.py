@@ -102,9 +102,10 @@ class LlamaFFNNetwork(torch.nn.Module):
         w1, w2, w3 = self._weights_in(ctx, dtype)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
-            gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True)
-            hidden = self._gated(gate, grouped_rows_mm(rows, w2, plan.offsets, transposed=True))
-            return grouped_rows_mm(hidden, w3, plan.offsets, transposed=True)
+            # Only the plan's kept rows are read back: the rows past them are left unspecified.
+            gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True, zero_tail=False)
+            hidden = self._gated(gate, grouped_rows_mm(rows, w2, plan.offsets, transposed=True, zero_tail=False))
+            return grouped_rows_mm(hidden, w3, plan.offsets, transposed=True, zero_tail=False)
 
         return run, 2 * self.hidden_size_per_expert * w1.element_size()
 

@@ -30,13 +30,17 @@ or exactly one of ``gate_fn`` and ``activation``.
 
 The function is differentiable in x, weights, both weight tensors and the biases, and traceable
 by ``torch.compile(fullgraph=True)`` (the grouped products are one opaque operator,
-``tutel.ops.grouped_mm.grouped_rows_mm``).  On its default path (float32 / bfloat16 / float16
-with 16-byte aligned rows, where ``torch.nn.functional.grouped_mm`` has a kernel) nothing is read
-back to the host; float64 and odd feature sizes run tutel's own grouped operator, which reads the
-per-expert row counts.  16-bit data on a CPU without native 16-bit dot products is multiplied in
-float32 once experts average 32 rows or more (``tutel.ops.precision``); the result keeps x's
-dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in one
-call of tutel's ``routed_gated_experts`` operator.
+``tutel.ops.grouped_mm.grouped_rows_mm``).  On CUDA a call is a handful of kernels with nothing
+read back to the host, so CUDA graphs capture it: tutel's ``group_by_expert`` (the choices sorted by
+expert, two launches), the grouped rows' copy, PyTorch's ``grouped_mm`` for the products (bfloat16
+with 16-byte aligned rows, where it has a kernel), tutel's fused gated unit and the weighted
+combine; inference of up to 32 tokens is instead one call of tutel's ``decode_experts``
+(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  Other dtypes and
+odd feature sizes on CUDA run one product per expert, which reads the per-expert row counts back
+(a host synchronisation).  On CPU 16-bit data on a CPU without native 16-bit dot products is
+multiplied in float32 once experts average 32 rows or more (``tutel.ops.precision``); the result
+keeps x's dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in
+one call of tutel's ``routed_gated_experts`` operator.  ``tutel.rules.paths`` chooses among these.
 """
 from typing import Callable, Dict, NamedTuple, Optional, Union
 
@@ -45,9 +49,11 @@ import torch
 from .. import ops
 from .._extension import load_extension
 from ..rules.autocast import autocast_dtype
+from ..ops.backend import operators_for
+from ..ops.decode_experts import decode_experts, decode_experts_supported
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
-from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.grouped_mm import expert_of_rows, grouped_rows_mm
 from ..ops.precision import gemm_dtype, widened
 from ..ops.tracing import direct_call_allowed, is_compiling
 from ..rules.paths import EXPERTS, Path, choose_path
@@ -63,41 +69,24 @@ class RoutingPlan(NamedTuple):
     indices: torch.Tensor  # [k, T] zeros: the grouped rows form one "expert" for encode / decode
     locations: torch.Tensor  # [k, T] int32 slot of each choice, N for ids outside [0, E)
     slot_choices: torch.Tensor  # [N] int64 choice held by each slot (the dropped ones last, in order)
-    sorted_ids: torch.Tensor  # [N] expert of each slot (E for the dropped ones, which sort last)
+    sorted_ids: Optional[torch.Tensor]  # [N] expert of each slot (E for the dropped ones, which sort last)
     counts: torch.Tensor  # [E] int64 rows per expert
     offsets: torch.Tensor  # [E] int32 end of each expert's rows
 
 
+def plan_row_experts(plan: RoutingPlan, rows: int) -> torch.Tensor:
+    """[rows] int64 the expert of each grouped row of `plan` (E past the kept ones): the plan's own
+    sorted_ids, else found from its offsets on their device (tutel.ops.grouped_mm.expert_of_rows)."""
+    return plan.sorted_ids if plan.sorted_ids is not None else expert_of_rows(plan.offsets, rows)
+
+
 def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """Sorts the T*k choices by expert (stably, token-major; ids outside [0, E) last).
-
-    On CPU one counting pass of tutel's ``group_by_expert`` operator; on devices tensor operations
-    only (a comparison sort, no host synchronisation).  At small T the dozen small operations of
-    the latter cost more than the experts' arithmetic around them."""
-    if expert_ids.device.type == "cpu":
-        locations, slot_choices, sorted_ids, counts, ends = torch.ops.tutel.group_by_expert(expert_ids, num_experts)
-        return RoutingPlan(torch.zeros_like(locations), locations, slot_choices, sorted_ids, counts, ends)
-    return _plan_routing_by_sort(expert_ids, num_experts)
-
-
-def _plan_routing_by_sort(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """plan_routing with tensor operations (any device).  Each operation is a kernel launch on a
-    GPU, where a decoding step is launch-bound: scalars instead of filled tensors, in-place masks
-    and int32 slots made directly keep it to about a dozen."""
-    tokens, k = expert_ids.shape
-    ids = expert_ids.reshape(-1).long()
-    total = ids.numel()
-    dropped = (ids < 0) | (ids >= num_experts)
-    key = ids.masked_fill(dropped, num_experts)
-    sorted_ids, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.index_add_(0, key, torch.ones((), dtype=torch.int64, device=ids.device).expand(total))
-    counts = counts[:num_experts]
-    slot = torch.empty(total, dtype=torch.int32, device=ids.device)
-    slot.scatter_(0, order, torch.arange(total, dtype=torch.int32, device=ids.device))
-    locations = slot.masked_fill_(dropped, total).view(tokens, k).t().contiguous()
-    return RoutingPlan(torch.zeros_like(locations), locations, order, sorted_ids, counts,
-                       counts.cumsum(0, dtype=torch.int32))
+    """Sorts the T*k choices by expert (stably, token-major; ids outside [0, E) last) with tutel's
+    ``group_by_expert`` operator: one counting pass on CPU, two launches with no host
+    synchronisation on CUDA (tensor operations elsewhere, tutel.ops.backend)."""
+    locations, slot_choices, sorted_ids, counts, ends = \
+        operators_for(expert_ids.device).group_by_expert(expert_ids, num_experts)
+    return RoutingPlan(torch.zeros_like(locations), locations, slot_choices, sorted_ids, counts, ends)
 
 
 class _ExpertsCall(NamedTuple):
@@ -116,7 +105,8 @@ class _ExpertsCall(NamedTuple):
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);
         the rows past the kept ones hold anything (decode and the pieces read only the kept rows,
         and their gradients flow back only into them).  The biases ride in the grouped products."""
-        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias, zero_tail=False)
+        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias, zero_tail=False,
+                                 row_experts=plan.sorted_ids)
         if self.gate is not None:
             hidden = gated_unit(hidden, self.gate)
         elif self.gate_fn is not None:
@@ -126,7 +116,7 @@ class _ExpertsCall(NamedTuple):
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
         out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
-                              zero_tail=False)
+                              zero_tail=False, row_experts=plan.sorted_ids)
         return out if self.post_fn is None else self.post_fn(out)
 
 
@@ -260,6 +250,7 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
         "traced": is_compiling(),
         "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
+        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device),
     }
 
 
@@ -366,6 +357,9 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     if path is Path.EXPERTS_ONE_CALL:
         return gated_experts_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias,
                                          down_bias=down_bias, transposed=transposed, unit=unit).to(out_dtype)
+    if path is Path.EXPERTS_DECODE:
+        return decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias, down_bias=down_bias,
+                              transposed=transposed, unit=unit).to(out_dtype)
     plan = plan_routing(expert_ids, up_weight.shape[0])
     total = plan.locations.numel()
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)

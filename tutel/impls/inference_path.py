@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from .._extension import load_extension
 from ..experts.routed import gated_experts_in_one_call
 from ..ops.precision import gemm_dtype
-from ..rules.capacity import capacity_alignment, expert_capacity
 from .call_context import CallContext, LayerResult
 from .call_settings import CallSettings
 from .layer_routing import gate_logits
+from .static_grouped_path import planned_capacity
 
 
 def forward_in_two_calls(layer, x: torch.Tensor, call: CallSettings) -> LayerResult:
@@ -30,10 +30,7 @@ def forward_in_two_calls(layer, x: torch.Tensor, call: CallSettings) -> LayerRes
     dtype = gemm_dtype(x.dtype, x.device, tokens * top_k / max(num_experts, 1))
     logits = gate_logits(layer, call.gate, x)
     scores = F.softmax(logits, dim=1)
-    capacity = -1  # dropless: nothing is dropped
-    if call.capacity_factor > 0:
-        alignment = capacity_alignment(layer.sharded_count, call.overlap, call.megablocks_size)
-        capacity = expert_capacity(call.capacity_factor, top_k, tokens, num_experts, alignment=alignment)
+    capacity = planned_capacity(layer, call, tokens)  # -1: dropless, nothing is dropped
     expert_ids, gates, dispatch_count, l_aux = _route_without_grad(
         scores, top_k, top_k > 1 and layer.normalize_gate, capacity, layer.batch_prioritized_routing)
     ctx = CallContext(layer, adaptive_degree=call.adaptive_r, a2a_ffn_overlap_degree=call.overlap,

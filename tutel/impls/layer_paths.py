@@ -13,6 +13,7 @@ import torch
 from .. import ops
 from ..experts._grouped import choice_table, grouped_locations, occupied_rows
 from ..experts.routed import combine_without_grad, fits_one_call, gated_experts_in_one_call, piece_rows, plan_routing
+from ..ops.decode_experts import decode_experts_supported
 from ..ops.precision import gemm_dtype
 from ..ops.tracing import direct_call_allowed, is_compiling
 from ..rules.autocast import autocast_dtype
@@ -23,6 +24,7 @@ from .call_context import CallContext, LayerResult
 from .call_settings import CallSettings
 from .fast_dispatch import fast_decode, fast_encode
 from .layer_routing import Routing, route_call, uses_tutel_routing
+from .static_grouped_path import forward_static_decode, forward_static_grouped
 
 
 def _device_kind(x: torch.Tensor) -> str:
@@ -60,6 +62,7 @@ def layer_facts(layer, x: torch.Tensor, call: CallSettings, reserve_dims: int) -
         "experts_in_pieces": bool(getattr(experts, "offers_grouped_products", False)),
         "experts_grouped": callable(getattr(experts, "forward_grouped", None)),
         "rows_fit_one_call": fits_one_call(x.shape[0] * call.top_k),
+        "decode_kernel": decode_experts_supported(x.shape[0], call.top_k, x.dtype, x.device),
     }
 
 
@@ -73,6 +76,10 @@ def run_path(path: Path, layer, x: torch.Tensor, call: CallSettings, reserve_sha
     """Runs `path` for tokens x [T, M] (in the compute dtype)."""
     if path is Path.LAYER_IN_TWO_CALLS:
         return inference_path.forward_in_two_calls(layer, x, call)
+    if path is Path.STATIC_GROUPED:
+        return forward_static_grouped(layer, x, call)
+    if path is Path.STATIC_DECODE:
+        return forward_static_decode(layer, x, call)
     routing = route_call(layer, x, call, sequence_length, inequivalent_tokens)
     return _ROUTED_PATHS[path](layer, x, call, routing, reserve_shape)
 

@@ -82,6 +82,20 @@ def fake_mode_active() -> bool:
     return _FAKE_KEY is not None and _ACTIVE_MODE(_FAKE_KEY) is not None
 
 
+# The compute capability a fake CUDA tensor stands for when this PyTorch has no CUDA to ask: a
+# Hopper GPU (H100 / H200), the device the CUDA path is tuned for, so a trace on the CPU takes the
+# path that device takes.
+FAKE_CUDA_CAPABILITY = (9, 0)
+
+
+def cuda_capability(device: torch.device) -> tuple:
+    """(major, minor) compute capability of the CUDA `device`; FAKE_CUDA_CAPABILITY inside a
+    FakeTensorMode on a PyTorch without CUDA."""
+    if not torch.cuda.is_available() and fake_mode_active():
+        return FAKE_CUDA_CAPABILITY
+    return torch.cuda.get_device_capability(device)
+
+
 def _self_check_impossible(device: torch.device) -> bool:
     """True while tracing, capturing or running on fake tensors, when the check cannot run kernels
     and compare results."""

@@ -12,11 +12,12 @@ interleaved=True)`` is gpt-oss'.
 ``gated_unit_pair(gate, up, unit)`` is the same unit over gates and ups held in two tensors
 (experts whose gate and up projections are separate products, as Tutel's ``llama_ffn``).
 
-On CPU forward and backward are one pass each of tutel's ``gated_unit`` operator; composed from
+On CPU and CUDA forward and backward are one pass each of tutel's ``gated_unit`` operator (one
+kernel launch each on CUDA, kernels/gated_units.cu); composed from
 PyTorch operators they are five to twelve passes over [n, I] temporaries (gpt-oss' backward
 also fills two [n, 2I] buffers with zeros for its strided halves), which cost a fifth of a
-gpt-oss training step at 2048 tokens (benchmarks/transformers_moe.py).  Other devices run the
-composition of PyTorch operators, which is also the reference the tests hold the operator to.
+gpt-oss training step at 2048 tokens (benchmarks/transformers_moe.py).  Other devices (and CUDA
+with TUTEL_CUDA_BACKEND=composite) run the composition of PyTorch operators, which is also the reference the tests hold the operator to.
 """
 import math
 from typing import NamedTuple, Optional
@@ -24,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from .backend import operators_for
 from .checks import require_floating
 from .tracing import eager_without_grad
 
@@ -70,7 +72,7 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
         raise ValueError(f"{where}: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
                          f"(gate and up values)")
     check_unit(unit, where)
-    if gate_up.device.type != "cpu":
+    if not fused_unit_on(gate_up.device):
         return gated_unit_composite(gate_up, unit)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     args = unit_scalars(unit) + (bool(unit.interleaved),)
@@ -80,6 +82,13 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
     else:
         hidden = _gated_unit(rows, *args)
     return hidden.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def fused_unit_on(device: torch.device, operator: str = "gated_unit") -> bool:
+    """Whether tutel's `operator` (gated_unit or gated_unit_pair, with its backward) runs on
+    `device`: on CPU always, on CUDA where the kernels were chosen (tutel.ops.backend: fake CUDA
+    tensors take them too), elsewhere never."""
+    return getattr(operators_for(device), operator) is getattr(torch.ops.tutel, operator)
 
 
 def check_unit(unit: GatedUnit, where: str) -> None:
@@ -134,7 +143,7 @@ def gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit = SWIG
     if unit.interleaved:
         raise ValueError(f"{where}: {unit} is interleaved; separate gates and ups take interleaved=False")
     check_unit(unit, where)
-    if gate.device.type != "cpu" or gate.dim() == 0:
+    if gate.dim() == 0 or not fused_unit_on(gate.device, "gated_unit_pair"):
         return _composite(gate, up, unit)
     gate_rows, up_rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
     if eager_without_grad(gate, up):

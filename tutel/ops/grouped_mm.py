@@ -26,15 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
-from .tracing import eager_without_grad
+from .backend import cuda_capability
+from .tracing import eager_without_grad, is_fake
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
-    return (1 in t.stride()[-2:] and all(stride == 1 or stride * size % 16 == 0 for stride in t.stride())
-            and t.data_ptr() % 16 == 0)
+    # A fake tensor has no address: its storage starts aligned, as an allocator's blocks do.
+    start = t.storage_offset() * size if is_fake(t) else t.data_ptr()
+    return 1 in t.stride()[-2:] and all(stride == 1 or stride * size % 16 == 0 for stride in t.stride()) and \
+        start % 16 == 0
 
 
 def grouped_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -44,7 +47,7 @@ def grouped_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type == "cpu":
         ok = a.dtype in _CPU_DTYPES
     elif a.device.type == "cuda":
-        ok = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+        ok = a.dtype == torch.bfloat16 and cuda_capability(a.device) >= (8, 0)
     else:
         ok = False
     return ok and _aligned(a) and _aligned(b)
@@ -72,20 +75,27 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type != "cpu" and a.shape[0] > 0 and grouped_mm_supports(a, b)
 
 
-def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: the expert each row belongs to (E for the rows past the last group), on the
-    offsets' device without reading them back."""
+def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: the expert each of `rows` grouped rows belongs to (E for the rows past the last
+    group), on the offsets' device without reading them back (two launches on a device)."""
     positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets, positions, right=True)
 
 
+def _row_experts(offsets: torch.Tensor, rows: int, row_experts: Optional[torch.Tensor]) -> torch.Tensor:
+    """The expert of each row: the caller's, else searched in the offsets."""
+    return expert_of_rows(offsets, rows) if row_experts is None else row_experts
+
+
 def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-             bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, zero_tail: bool = True,
+             row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
     right = _right(weight, transposed)
     if _use_grouped_mm(rows, right):
         out = F.grouped_mm(rows, right, offs=offsets)
         if bias is not None:  # the rows past the last group take zeros (zero_tail below)
-            out = out.add_(F.pad(bias, (0, 0, 0, 1)).index_select(0, _expert_of_rows(offsets, rows.shape[0])))
+            out = out.add_(F.pad(bias, (0, 0, 0, 1)).index_select(0, _row_experts(offsets, rows.shape[0],
+                                                                                    row_experts)))
         return _zero_tail(out, offsets) if zero_tail else out
     counts = _counts(offsets)
     kept = sum(counts)
@@ -99,8 +109,8 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
 
 
 def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-              need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True
-              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+              need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True,
+              row_experts: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
     right = _right(weight, transposed)
     if _use_grouped_mm(grad, right) and grouped_mm_supports(rows, right):
@@ -113,7 +123,7 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
         if need_bias:  # per-expert sums of the gradient rows in float32 (rows past the last group: row E)
             experts = offsets.shape[0]
             sums = grad.new_zeros((experts + 1, grad.shape[1]), dtype=torch.float32)
-            sums.index_add_(0, _expert_of_rows(offsets, grad.shape[0]), grad.float())
+            sums.index_add_(0, _row_experts(offsets, grad.shape[0], row_experts), grad.float())
             grad_bias = sums[:experts].to(grad.dtype)
         if grad_rows is not None and zero_tail:
             grad_rows = _zero_tail(grad_rows, offsets)
@@ -135,21 +145,23 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
 
 @torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())
 def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-                     bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
-    return _forward(rows, weight, offsets, transposed, bias, zero_tail)
+                     bias: Optional[torch.Tensor] = None, zero_tail: bool = True,
+                     row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _forward(rows, weight, offsets, transposed, bias, zero_tail, row_experts)
 
 
 @_grouped_rows_mm.register_fake
-def _grouped_rows_mm_fake(rows, weight, offsets, transposed, bias=None, zero_tail=True):
+def _grouped_rows_mm_fake(rows, weight, offsets, transposed, bias=None, zero_tail=True, row_experts=None):
     return rows.new_empty((rows.shape[0], weight.shape[2] if transposed else weight.shape[1]))
 
 
 @torch.library.custom_op("tutel::grouped_rows_mm_backward", mutates_args=())
 def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                               transposed: bool, need_rows: bool, need_weight: bool,
-                              need_bias: bool, zero_tail: bool = True) -> List[torch.Tensor]:
+                              need_bias: bool, zero_tail: bool = True,
+                              row_experts: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     grad_rows, grad_weight, grad_bias = _backward(grad, rows, weight, offsets, transposed, need_rows, need_weight,
-                                                  need_bias, zero_tail)
+                                                  need_bias, zero_tail, row_experts)
     return [rows.new_empty((0,)) if grad_rows is None else grad_rows,
             weight.new_empty((0,)) if grad_weight is None else grad_weight,
             grad.new_empty((0,)) if grad_bias is None else grad_bias]
@@ -157,7 +169,7 @@ def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: to
 
 @_grouped_rows_mm_backward.register_fake
 def _grouped_rows_mm_backward_fake(grad, rows, weight, offsets, transposed, need_rows, need_weight, need_bias,
-                                   zero_tail=True):
+                                   zero_tail=True, row_experts=None):
     outputs = weight.shape[2] if transposed else weight.shape[1]
     return [rows.new_empty(rows.shape if need_rows else (0,)), weight.new_empty(weight.shape if need_weight else (0,)),
             grad.new_empty((weight.shape[0], outputs) if need_bias else (0,))]
@@ -168,6 +180,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rows, weight, offsets)
     ctx.transposed = transposed
     ctx.zero_tail = inputs[5] if len(inputs) > 5 else True
+    ctx.row_experts = inputs[6] if len(inputs) > 6 else None
 
 
 def _autograd_backward(ctx, grad):
@@ -175,9 +188,10 @@ def _autograd_backward(ctx, grad):
     needs = ctx.needs_input_grad  # a bias left at its default is not among the inputs
     need_rows, need_weight, need_bias = needs[0], needs[1], len(needs) > 4 and needs[4]
     grad_rows, grad_weight, grad_bias = torch.ops.tutel.grouped_rows_mm_backward(
-        grad, rows, weight, offsets, ctx.transposed, need_rows, need_weight, need_bias, ctx.zero_tail)
+        grad, rows, weight, offsets, ctx.transposed, need_rows, need_weight, need_bias, ctx.zero_tail,
+        ctx.row_experts)
     grads = (grad_rows if need_rows else None, grad_weight if need_weight else None, None, None,
-             grad_bias if need_bias else None, None)
+             grad_bias if need_bias else None, None, None)
     return grads[:len(needs)]
 
 
@@ -186,7 +200,7 @@ _grouped_rows_mm.register_autograd(_autograd_backward, setup_context=_setup_cont
 
 def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                     transposed: bool = False, bias: Optional[torch.Tensor] = None, *,
-                    zero_tail: bool = True) -> torch.Tensor:
+                    zero_tail: bool = True, row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[N, K] rows sorted by expert times their expert's matrix (+ its bias) -> [N, O] (see the
     module docstring).
 
@@ -201,6 +215,10 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         zero_tail: False leaves the result rows past offsets[-1], and the gradient of those rows,
             unspecified (any values, NaN included) instead of zero; for callers that never read
             them.  The rows of the experts and every other gradient are the same either way.
+        row_experts: optional [N] int64, the expert of each row (E for the rows past offsets[-1]),
+            as a routing plan has it (tutel.experts.routed.RoutingPlan.sorted_ids): on devices the
+            bias rows are then picked by it instead of a search of the offsets (two launches
+            fewer per call).  Ignored without a bias.
     """
     offsets = offsets.to(torch.int32)
     if bias is not None and bias.dtype != rows.dtype:
@@ -208,7 +226,9 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     if eager_without_grad(rows, weight, bias):
         # Nothing to trace or differentiate: skip the custom operator's dispatch (a tenth of a
         # millisecond, as much as a decoding step's product of a small expert).
-        return _forward(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))
-    if zero_tail:  # the operator's default: its schema and traces stay as they were
+        return _forward(rows, weight, offsets, bool(transposed), bias, bool(zero_tail), row_experts)
+    if bias is None:
+        row_experts = None
+    if zero_tail and row_experts is None:  # the operator's defaults: its schema and traces stay as they were
         return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias)
-    return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias, False)
+    return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias, bool(zero_tail), row_experts)

@@ -35,3 +35,14 @@ def direct_call_allowed(*tensors: Optional[torch.Tensor]) -> bool:
     if _DISPATCH_MODES is None or _DISPATCH_MODES() > 0:
         return False
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """True for a FakeTensor (shapes only, no storage: its address and values cannot be read)."""
+    return _FAKE_TENSOR is not None and isinstance(t, _FAKE_TENSOR)
+
+
+try:  # looked up once; PyTorch versions without fake tensors have none to recognise
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE_TENSOR
+except ImportError:  # pragma: no cover
+    _FAKE_TENSOR = None

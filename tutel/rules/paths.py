@@ -22,6 +22,8 @@ class Path(str, Enum):
     """The execution paths (tutel.impls.layer_paths runs the layer's, tutel.experts.routed the experts')."""
 
     EXPERT_PARALLEL = "expert_parallel"      # [E, C, M] buffers exchanged between the processes
+    STATIC_DECODE = "static_decode"          # route_experts, then decode_experts (CUDA kernels, no autograd)
+    STATIC_GROUPED = "static_grouped"        # route_experts plans a grouped buffer of static size on the device
     LAYER_IN_TWO_CALLS = "layer_in_two_calls"  # route_without_grad, then routed_gated_experts (C++)
     GROUPED_ONE_CALL = "grouped_one_call"    # the layer's routing, then routed_gated_experts (C++)
     GROUPED_PIECES = "grouped_pieces"        # the layer's routing, then the grouped rows in pieces
@@ -29,6 +31,7 @@ class Path(str, Enum):
     PADDED = "padded"                        # Tutel's [E, C, M] buffer through the experts module
     EXPERTS_ONE_CALL = "experts_one_call"    # routed_gated_experts (C++), one operator call
     EXPERTS_PIECES = "experts_pieces"        # grouped rows in pieces, the operators called directly
+    EXPERTS_DECODE = "experts_decode"        # decode_experts (CUDA kernels), one operator call
     EXPERTS_GROUPED = "experts_grouped"      # one grouped buffer through autograd, any device
 
 
@@ -53,6 +56,8 @@ FACTS: Dict[str, str] = {
     "experts_in_pieces": "layer: the experts offer grouped_products (their products on grouped rows)",
     "experts_grouped": "layer: the experts offer forward_grouped (grouped rows through autograd)",
     "rows_fit_one_call": "tokens x k choices fit one operator call (routed.fits_one_call)",
+    "decode_kernel": "tutel's decode_experts kernels take the call: CUDA, up to 32 tokens and 256 choices "
+                     "(tutel.ops.decode_experts.decode_experts_supported)",
 }
 
 
@@ -83,6 +88,14 @@ _CPU_INFERENCE = dict(device="cpu", gradient=False, traced=False)
 RULES: Tuple[Rule, ...] = (
     _rule(LAYER, Path.EXPERT_PARALLEL, "several processes hold the experts: tokens go to the process of "
           "their expert and back", processes="several"),
+    _rule(LAYER, Path.STATIC_DECODE, "CUDA inference of Tutel's dropless routing with SwiGLU experts at decoding "
+          "sizes: the routing in two launches, then each chosen expert's matrices read once by the decode "
+          "kernels; no host synchronisation", device="cuda", gradient=False, processes="one", capacity="dropless",
+          tutel_routing=True, gate_at_combine=True, token_dims="one", gated_experts=True, decode_kernel=True),
+    _rule(LAYER, Path.STATIC_GROUPED, "CUDA, one process: the routing plans a grouped buffer of static size "
+          "(T x k rows dropless, E x capacity) on the device and the experts' grouped products run over it; no "
+          "host synchronisation, so CUDA graphs capture it", device="cuda", processes="one",
+          capacity=("static", "dropless"), tutel_routing=True, token_dims="one", experts_in_pieces=True),
     _rule(LAYER, Path.LAYER_IN_TWO_CALLS, "CPU inference of Tutel's routing with SwiGLU experts at decoding "
           "sizes: routing in one C++ pass, the experts in one operator call", **_CPU_INFERENCE, plain=True,
           autocast=False,
@@ -101,6 +114,9 @@ RULES: Tuple[Rule, ...] = (
           **_CPU_INFERENCE, gated_experts=True, rows_fit_one_call=True),
     _rule(EXPERTS, Path.EXPERTS_PIECES, "CPU inference: the kept rows in bounded pieces, the operators called "
           "directly", **_CPU_INFERENCE),
+    _rule(EXPERTS, Path.EXPERTS_DECODE, "CUDA inference of gated experts at decoding sizes: each chosen expert's "
+          "matrices read once by the decode kernels (two launches)", device="cuda", gradient=False,
+          gated_experts=True, decode_kernel=True),
     _rule(EXPERTS, Path.EXPERTS_GROUPED, "one grouped buffer through autograd (training, tracing, devices)"),
 )
 

@@ -1,0 +1,242 @@
+"""The routed experts and moe_layer on a CUDA device launch few kernels and never wait for the host.
+
+Traced on fake CUDA tensors (tests/python/launch_count.py): a host synchronisation or a
+data-dependent shape raises there, exactly what would break CUDA-graph capture, and the
+operators the call dispatches (weighted by their CUDA launches) are counted.  The budgets are the
+project's: routed experts at most 8 kernels per forward call at any token count, moe_layer at most
+12 including its routing and loss, backward at most twice its forward.  The layers are shaped like the published models' (sizes cost nothing on fake
+tensors); the CPU-only PyTorch of CI takes the CUDA build's path through the operators' fake kernels.
+"""
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+
+import tutel.ops.gated_units as gated_units
+from tutel import moe
+from tutel.experts.routed import routed_experts
+from tutel.impls.call_settings import resolve_switches
+from tutel.impls.layer_paths import run_path
+from tutel.ops.gated_units import GatedUnit
+from tutel.rules.paths import Path
+
+from launch_count import OperatorCount, backward_by_hand, fake_cuda, fake_parameters, recording_function_arguments
+
+EXPERTS_FORWARD_BUDGET = 8
+# Experts with biases (gpt-oss) add each bias to its product's rows in separate launches (the
+# bias rows picked by the plan's row-to-expert map, then added): today's count, kept from
+# growing; fusing the biases into the gated unit and the combine is what brings them to the budget.
+BIASED_EXPERTS_FORWARD_CEILING = 17
+
+
+class Family(NamedTuple):
+    name: str
+    experts: int
+    k: int
+    hidden: int
+    intermediate: int
+    gate: object
+    transposed: bool = False
+    biases: bool = False
+
+
+FAMILIES = [
+    Family("qwen3-30b-a3b", 128, 8, 2048, 768, "swiglu"),
+    Family("mixtral-8x7b", 8, 2, 4096, 14336, "swiglu"),
+    Family("deepseek-v3", 256, 8, 7168, 2048, "swiglu"),
+    Family("gpt-oss-20b", 32, 4, 2880, 2880, GatedUnit(1.702, 1.0, 7.0, interleaved=True), True, True),
+]
+TOKENS = (1, 16, 2048)
+
+
+def _call(family: Family, tokens: int, grad: bool, dtype=torch.bfloat16):
+    """Makes a family's experts and tokens as fake CUDA tensors and returns (inputs, call)."""
+    e, h, i = family.experts, family.hidden, family.intermediate
+    up_shape, down_shape = ((e, h, 2 * i), (e, i, h)) if family.transposed else ((e, 2 * i, h), (e, h, i))
+    make = dict(device="cuda", dtype=dtype, requires_grad=grad)
+    x = torch.randn(tokens, h, **make)
+    ids = torch.randint(0, e, (tokens, family.k), device="cuda")
+    weights = torch.rand(tokens, family.k, **make)
+    up, down = torch.randn(up_shape, **make), torch.randn(down_shape, **make)
+    up_bias = torch.randn(e, 2 * i, **make) if family.biases else None
+    down_bias = torch.randn(e, h, **make) if family.biases else None
+
+    def call() -> torch.Tensor:
+        return routed_experts(x, ids, weights, up, down, up_bias=up_bias, down_bias=down_bias,
+                              transposed=family.transposed, gate=family.gate)
+
+    leaves = [t for t in (x, weights, up, down, up_bias, down_bias) if t is not None]
+    return leaves, call
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_routed_experts_forward_stays_within_the_budget(family, tokens):
+    with fake_cuda():
+        _, call = _call(family, tokens, grad=False)
+        with OperatorCount() as count:
+            y = call()
+    assert y.shape == (tokens, family.hidden) and y.device.type == "cuda"
+    assert count.kernels <= _budget(family), count.operators
+
+
+def _budget(family: Family) -> int:
+    return BIASED_EXPERTS_FORWARD_CEILING if family.biases else EXPERTS_FORWARD_BUDGET
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_routed_experts_training_step_stays_within_the_budget(family, tokens):
+    with fake_cuda():
+        leaves, call = _call(family, tokens, grad=True)
+        with OperatorCount() as forward:
+            y = call()
+        seed = torch.randn_like(y)
+        with OperatorCount() as backward:
+            grads = backward_by_hand(y, seed)
+    assert forward.kernels <= _budget(family), forward.operators
+    assert backward.kernels <= 2 * forward.kernels, backward.operators
+    # every input, bias included, gets its gradient, of its own shape
+    assert {id(t): tuple(t.shape) for t in leaves} == {id(t): tuple(g.shape) for t, g in grads.items()}
+
+
+def test_undoing_the_gated_unit_fusion_shows_in_the_count(monkeypatch):
+    """The count sees a fusion undone: the gated unit composed of PyTorch operators (as on devices
+    without tutel's kernel) launches more than the fused operator."""
+    family = FAMILIES[3]  # gpt-oss: the clamped, interleaved unit composes from the most operators
+    with fake_cuda():
+        _, call = _call(family, 2048, grad=False)  # past the decode kernels' sizes: the grouped path
+        with OperatorCount() as fused:
+            call()
+        monkeypatch.setattr(gated_units, "fused_unit_on", lambda device: False)
+        with OperatorCount() as composed:
+            call()
+    assert "tutel.gated_unit.default" in fused.operators
+    assert "tutel.gated_unit.default" not in composed.operators
+    assert composed.kernels > EXPERTS_FORWARD_BUDGET >= fused.kernels
+
+
+def test_a_host_read_raises_on_fake_cuda_tensors():
+    """The fake CUDA mode is strict: reading a value back (what breaks graph capture) raises."""
+    with fake_cuda():
+        counts = torch.zeros(4, dtype=torch.int64, device="cuda")
+        with pytest.raises(Exception):
+            int(counts.max())
+        with pytest.raises(Exception):
+            counts.tolist()
+
+
+def test_backward_by_hand_equals_the_autograd_engine():
+    """The walk of the graph the count tests use gives the engine's gradients (CPU, float64)."""
+    torch.manual_seed(3)
+    family = Family("small", 5, 3, 12, 7, GatedUnit(1.702, 1.0, 7.0, interleaved=True), True, True)
+    e, h, i = family.experts, family.hidden, family.intermediate
+    make = dict(dtype=torch.float64, requires_grad=True)
+    x, weights = torch.randn(9, h, **make), torch.rand(9, family.k, **make)
+    up, down = torch.randn(e, h, 2 * i, **make), torch.randn(e, i, h, **make)
+    up_bias, down_bias = torch.randn(e, 2 * i, **make), torch.randn(e, h, **make)
+    ids = torch.randint(0, e, (9, family.k))
+    leaves = (x, weights, up, down, up_bias, down_bias)
+    with recording_function_arguments():
+        y = routed_experts(x, ids, weights, up, down, up_bias=up_bias, down_bias=down_bias, transposed=True,
+                           gate=family.gate)
+    seed = torch.randn_like(y)
+    expected = torch.autograd.grad(y, leaves, seed, retain_graph=True)
+    walked = backward_by_hand(y, seed)
+    for leaf, want in zip(leaves, expected):
+        torch.testing.assert_close(walked[leaf], want, rtol=1e-12, atol=1e-12)
+
+
+LAYER_FORWARD_BUDGET = 12
+
+
+class LayerFamily(NamedTuple):
+    name: str
+    experts: int
+    k: int
+    model_dim: int
+    hidden: int
+    expert_type: str
+
+
+LAYER_FAMILIES = [
+    LayerFamily("qwen3-30b-a3b", 128, 8, 2048, 768, "llama_ffn"),
+    LayerFamily("mixtral-8x7b", 8, 2, 4096, 14336, "llama_ffn"),
+    LayerFamily("deepseek-v3", 256, 8, 7168, 2048, "llama_ffn"),
+]
+
+
+def _layer(family: LayerFamily, capacity_factor: float, mode):
+    """moe_layer of the family's shape, built on the meta device (no memory) and made fake CUDA bf16."""
+    with torch.device("meta"):
+        layer = moe.moe_layer(gate_type={"type": "top", "k": family.k, "capacity_factor": capacity_factor},
+                              model_dim=family.model_dim,
+                              experts={"type": family.expert_type, "num_experts_per_device": family.experts,
+                                       "hidden_size_per_expert": family.hidden})
+    return fake_parameters(layer, mode, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_moe_layer_training_step_has_no_host_sync_and_stays_within_the_budget(family, tokens, capacity_factor):
+    """Routing, loss, experts and combine, forward and backward, on the static grouped path: no host
+    synchronisation (dropless included), at most 12 kernels forward and twice that backward."""
+    with fake_cuda() as mode:
+        layer = _layer(family, capacity_factor, mode)
+        x = torch.randn(tokens, family.model_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        assert layer.choose_path(x).path is Path.STATIC_GROUPED
+        with OperatorCount() as forward:
+            y = layer(x)
+        with OperatorCount() as backward:
+            grads = backward_by_hand([y, y.l_aux], [torch.randn_like(y), torch.ones_like(y.l_aux)])
+    assert forward.kernels <= LAYER_FORWARD_BUDGET, forward.operators
+    assert backward.kernels <= 2 * forward.kernels, backward.operators
+    expected = {id(x): tuple(x.shape), **{id(p): tuple(p.shape) for p in layer.parameters()}}
+    assert expected == {id(t): tuple(g.shape) for t, g in grads.items()}
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_moe_layer_decode_step_has_no_host_sync(family, tokens):
+    """Inference (no autograd) of the dropless layer traces too, within the budget; at decoding sizes
+    the gate's product, the routing and the decode kernels are all it launches."""
+    with fake_cuda() as mode, torch.no_grad():
+        layer = _layer(family, 0.0, mode).eval()
+        x = torch.randn(tokens, family.model_dim, device="cuda", dtype=torch.bfloat16)
+        path = layer.choose_path(x).path
+        with OperatorCount() as forward:
+            y = layer(x)
+    assert y.shape == (tokens, family.model_dim)
+    assert forward.kernels <= LAYER_FORWARD_BUDGET, forward.operators
+    if tokens <= 32:
+        assert path is Path.STATIC_DECODE
+        assert forward.operators == ["aten.mm.default", "tutel.route_experts.default", "tutel.decode_experts.default"]
+    else:
+        assert path is Path.STATIC_GROUPED
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("tokens", [1, 16, 32, 33])
+def test_routed_experts_at_decoding_sizes_take_the_decode_kernels(family, tokens):
+    """Inference of up to 32 tokens (256 choices) is one decode_experts call (two kernels): each
+    chosen expert's matrices read once; past that the grouped path."""
+    with fake_cuda():
+        _, call = _call(family, tokens, grad=False)
+        with OperatorCount() as count:
+            call()
+    if tokens * family.k <= 256 and tokens <= 32:
+        assert count.operators == ["tutel.decode_experts.default"]
+    else:
+        assert "tutel.decode_experts.default" not in count.operators and count.kernels > 2
+
+
+def test_the_padded_path_reads_the_largest_load_back():
+    """What the static grouped path avoids: Tutel's padded dropless path sizes its [E, C, M] buffer
+    from the largest load, a host read, which the fake CUDA mode refuses (as graph capture would)."""
+    family = LAYER_FAMILIES[1]
+    with fake_cuda() as mode:
+        layer = _layer(family, 0.0, mode)
+        x = torch.randn(16, family.model_dim, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(Exception, match="local_scalar_dense|data-dependent|DataDependent"):
+            run_path(Path.PADDED, layer, x, resolve_switches(layer, "test", tokens=16), x.shape[-1:], 16, False)
