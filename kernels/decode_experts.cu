@@ -44,17 +44,6 @@
 #define UNROLL 4
 #define WARPS (TUTEL_BLOCK_THREADS / 32)
 
-// A 16-bit float's value in any variant (the routing weights may be float16 whatever the data).
-__device__ __forceinline__ float half_to_float(unsigned short bits) {
-#ifndef TUTEL_HOST_EMULATION
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
-  return f;
-#else
-  return emulated_cvt_f32_f16(bits);
-#endif
-}
-
 // ------------------------------------------------------------- routing --
 __device__ __forceinline__ i64 routed_id(const TutelDecodeRouting& r, i64 t, i64 j) {
   const i64 at = t * r.ids_token_stride + j * r.ids_choice_stride;

@@ -5,9 +5,11 @@
 //   gather_slots:  out[t]    = sum_j w[j,t] * rows[slot(j,t)]   (decode, encode backward)
 //   scatter_slots: out[slot] = w[j,t] * src[t]                  (encode, decode backward)
 // optionally fused with dots[j,t] = < the slot's row of rows/other, token row t >.
-// slot(j,t) = e * capacity + l for e = indices[j,t], l = locations[j,t]; a
-// choice with l >= capacity was dropped.  A bad entry (e outside [0, experts),
-// l < 0) is reported through the error sink and treated as dropped.
+// slot(j,t) = e * capacity + l for e = indices[j,t] (0 when indices is null:
+// the grouped layout), l = locations[j,t]; a choice with l >= capacity was
+// dropped.  A bad entry (e outside [0, experts), l < 0) is reported through the
+// error sink and treated as dropped.  The weights are a TutelChoiceWeights
+// table (kernel_abi.h): any floating dtype and strides, converted in registers.
 //
 // Each kernel exists twice: *_vector moves 16 bytes per access (model_dim a
 // multiple of 16 / sizeof(element) and 16-byte aligned rows), *_scalar one
@@ -25,7 +27,7 @@
 __device__ __forceinline__ i64 slot_of(const int* indices, const int* locations, i64 at,
                                        i64 experts, i64 capacity, bool report,
                                        TutelErrorSink errors, int op, i64 tokens) {
-  const int e = indices[at];
+  const int e = indices ? indices[at] : 0;
   const int l = locations[at];
   if (e < 0 || e >= experts) {
     if (report) report_data_error(errors, op, tokens, at, TUTEL_ERROR_EXPERT_INDEX, e);
@@ -62,7 +64,7 @@ __device__ __forceinline__ Pack<N> zero_pack() {
 // registers in choice order (first choice: w*x, then acc + w*x), as the CPU does.
 template <int VEC>
 __device__ __forceinline__ void gather_rows(const storage_t* rows, const int* indices,
-                                            const int* locations, const acc_t* weights,
+                                            const int* locations, const TutelChoiceWeights& weights,
                                             const storage_t* other, acc_t* dots, storage_t* out,
                                             i64 tokens, i64 k, i64 experts, i64 capacity,
                                             i64 model_dim, int group_log2, TutelErrorSink errors) {
@@ -98,7 +100,7 @@ __device__ __forceinline__ void gather_rows(const storage_t* rows, const int* in
         if (dots && first_visit) dots[at] = acc_t(0);
         continue;
       }
-      const acc_t w = weights ? weights[at] : acc_t(1);
+      const acc_t w = choice_weight(weights, j, t);
       const P* slot_row = slots + slot * vectors;
       acc_t partial = acc_t(0);
 #pragma unroll
@@ -136,7 +138,7 @@ __device__ __forceinline__ void gather_rows(const storage_t* rows, const int* in
 }
 
 #define TUTEL_GATHER_PARAMS                                                                       \
-  const storage_t *rows, const int *indices, const int *locations, const acc_t *weights,          \
+  const storage_t *rows, const int *indices, const int *locations, TutelChoiceWeights weights,    \
       const storage_t *other, acc_t *dots, storage_t *out, i64 tokens, i64 k, i64 experts,        \
       i64 capacity, i64 model_dim, int group_log2, TutelErrorSink errors
 #define TUTEL_GATHER_ARGS                                                                         \
@@ -147,13 +149,26 @@ TUTEL_ROW_KERNELS(gather_slots, gather_rows, TUTEL_GATHER_PARAMS, TUTEL_GATHER_A
 
 // --------------------------------------------------------------- scatter --
 // Slot-centric, so every output row is written exactly once and nothing is
-// zeroed twice.  slot_table ([2 * slots + 1] ints, zeroed by the host) holds
-//   [0, slots):          entries - (the smallest entry claiming the slot), 0 if none
-//   [slots, 2 * slots):  how many entries claim the slot
-//   [2 * slots]:         1 when some slot is claimed more than once.
+// zeroed twice.  Two launches, scatter_claim_slots then scatter_slots_*, the
+// first finding who holds each slot in slot_table:
+//
+// * With indices: slot_table has 2 * slots + 1 ints, zeroed by the host:
+//     [0, slots):          entries - (the smallest entry claiming the slot), 0 if none
+//     [slots, 2 * slots):  how many entries claim the slot
+//     [2 * slots]:         1 when some slot is claimed more than once.
+// * Without (indices null, the grouped layout): the caller guarantees that no
+//   two kept choices name one slot, so slot_table is an owner per slot of
+//   expert 0 ([capacity] ints, not initialised: no memset), set by a plain
+//   store, and the row kernel trusts an owner only when it points back
+//   (0 <= owner < entries and locations[owner] == slot).  Whatever the table
+//   held before, that test finds the one entry naming the slot, or none, so
+//   the result is the CPU's bit for bit.  (Should two kept entries name one
+//   slot after all, one of them, which is unspecified, is written; the others
+//   add nothing and get dot 0.)
 
-// One thread per entry.  Dropped and bad entries get their dot product (0) here;
-// kept ones get it from the row kernel.
+// One thread per entry.  Dropped and bad entries get their dot product (0) here
+// (grouped: every entry, as one that lost its slot gets no other), the slots'
+// holders from the row kernel.
 extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
     scatter_claim_slots(const int* indices, const int* locations, i64 tokens, i64 k, i64 experts,
                         i64 capacity, int* slot_table, acc_t* dots, TutelErrorSink errors) {
@@ -162,8 +177,10 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
   if (at >= entries) return;
   const i64 slot = slot_of(indices, locations, at, experts, capacity, true, errors,
                            TUTEL_OP_SCATTER_SLOTS, tokens);
-  if (slot < 0) {
-    if (dots) dots[at] = acc_t(0);
+  if (dots && (slot < 0 || !indices)) dots[at] = acc_t(0);
+  if (slot < 0) return;
+  if (!indices) {
+    slot_table[slot] = (int)at;
     return;
   }
   const i64 slots = experts * capacity;
@@ -171,24 +188,24 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
   if (atomicAdd(slot_table + slots + slot, 1) == 1) slot_table[2 * slots] = 1;
 }
 
-// A slot claimed by at most one entry, written by its group of lanes.
+// Slot `slot` written by its group of lanes: entry `at`'s weighted token row, or
+// zeros when at < 0 (nobody holds the slot).
 template <int VEC>
-__device__ __forceinline__ void write_single_slot(const storage_t* src, const acc_t* weights,
-                                                  const storage_t* other, acc_t* dots,
-                                                  storage_t* out, i64 tokens, i64 entries,
-                                                  i64 vectors, int group, int lane, unsigned mask,
-                                                  i64 slot, int claims, int first_claim_key) {
+__device__ __forceinline__ void write_slot(const storage_t* src, const TutelChoiceWeights& weights,
+                                           const storage_t* other, acc_t* dots, storage_t* out,
+                                           i64 tokens, i64 vectors, int group, int lane,
+                                           unsigned mask, i64 slot, i64 at) {
   typedef Pack<VEC> P;
   P* dst = reinterpret_cast<P*>(out) + slot * vectors;
-  if (claims == 0) {
+  if (at < 0) {
 #pragma unroll 4
     for (i64 v = lane; v < vectors; v += group) dst[v] = zero_pack<VEC>();
     return;
   }
-  const i64 at = entries - first_claim_key;
-  const P* row = reinterpret_cast<const P*>(src) + (at % tokens) * vectors;
+  const i64 j = at / tokens, t = at - j * tokens;
+  const P* row = reinterpret_cast<const P*>(src) + t * vectors;
   const P* theirs = other ? reinterpret_cast<const P*>(other) + slot * vectors : 0;
-  const acc_t w = weights ? weights[at] : acc_t(1);
+  const acc_t w = choice_weight(weights, j, t);
   acc_t partial = acc_t(0);
 #pragma unroll 4
   for (i64 v = lane; v < vectors; v += group) {
@@ -215,9 +232,10 @@ __device__ __forceinline__ void write_single_slot(const storage_t* src, const ac
 // blocks each own the shared slots with slot % shared_blocks == blockIdx.x and
 // scan all entries once, in order, picking their own.
 __device__ void sum_shared_slots(const storage_t* src, const int* indices, const int* locations,
-                                 const acc_t* weights, const storage_t* other, acc_t* dots,
-                                 storage_t* out, i64 tokens, i64 k, i64 experts, i64 capacity,
-                                 i64 model_dim, const int* slot_table, i64 shared_blocks) {
+                                 const TutelChoiceWeights& weights, const storage_t* other,
+                                 acc_t* dots, storage_t* out, i64 tokens, i64 k, i64 experts,
+                                 i64 capacity, i64 model_dim, const int* slot_table,
+                                 i64 shared_blocks) {
   __shared__ int matches[TUTEL_BLOCK_THREADS];
   __shared__ int warp_matches[TUTEL_BLOCK_THREADS / 32];
   const i64 entries = k * tokens;
@@ -244,10 +262,11 @@ __device__ void sum_shared_slots(const storage_t* src, const int* indices, const
     __syncthreads();
     for (int i = 0; i < total; ++i) {
       const i64 entry = matches[i];
+      const i64 j = entry / tokens, t = entry - j * tokens;
       const i64 slot = slot_of(indices, locations, entry, experts, capacity, false, no_report, 0, tokens);
       const bool first = entries - slot_table[slot] == entry;
-      const acc_t w = weights ? weights[entry] : acc_t(1);
-      const storage_t* row = src + (entry % tokens) * model_dim;
+      const acc_t w = choice_weight(weights, j, t);
+      const storage_t* row = src + t * model_dim;
       storage_t* dst = out + slot * model_dim;
       acc_t partial = acc_t(0);
       for (i64 m = threadIdx.x; m < model_dim; m += blockDim.x) {
@@ -267,7 +286,7 @@ __device__ void sum_shared_slots(const storage_t* src, const int* indices, const
 
 template <int VEC>
 __device__ __forceinline__ void scatter_rows(const storage_t* src, const int* indices,
-                                             const int* locations, const acc_t* weights,
+                                             const int* locations, const TutelChoiceWeights& weights,
                                              const storage_t* other, acc_t* dots, storage_t* out,
                                              i64 tokens, i64 k, i64 experts, i64 capacity,
                                              i64 model_dim, int group_log2, const int* slot_table,
@@ -276,11 +295,22 @@ __device__ __forceinline__ void scatter_rows(const storage_t* src, const int* in
   const int lane = threadIdx.x & (group - 1);
   const i64 slots = experts * capacity;
   const i64 slot = (i64)blockIdx.x * (blockDim.x >> group_log2) + (threadIdx.x >> group_log2);
+  if (!indices) {  // grouped: only expert 0's slots can be held, by an owner that points back
+    if (slot >= slots) return;  // whole groups leave together
+    i64 at = -1;
+    if (slot < capacity) {
+      const i64 owner = slot_table[slot];
+      if (owner >= 0 && owner < k * tokens && (i64)locations[owner] == slot) at = owner;
+    }
+    write_slot<VEC>(src, weights, other, dots, out, tokens, model_dim / VEC, group, lane,
+                    group_lane_mask(group), slot, at);
+    return;
+  }
   if (slot < slots) {
     const int claims = slot_table[slots + slot];
     if (claims <= 1)
-      write_single_slot<VEC>(src, weights, other, dots, out, tokens, k * tokens, model_dim / VEC,
-                             group, lane, group_lane_mask(group), slot, claims, slot_table[slot]);
+      write_slot<VEC>(src, weights, other, dots, out, tokens, model_dim / VEC, group, lane,
+                      group_lane_mask(group), slot, claims == 0 ? -1 : k * tokens - slot_table[slot]);
   }
   // The same value for the whole block, so all of it takes part or none.
   if ((i64)blockIdx.x < shared_blocks && slot_table[2 * slots] != 0)
@@ -289,7 +319,7 @@ __device__ __forceinline__ void scatter_rows(const storage_t* src, const int* in
 }
 
 #define TUTEL_SCATTER_PARAMS                                                                      \
-  const storage_t *src, const int *indices, const int *locations, const acc_t *weights,           \
+  const storage_t *src, const int *indices, const int *locations, TutelChoiceWeights weights,     \
       const storage_t *other, acc_t *dots, storage_t *out, i64 tokens, i64 k, i64 experts,        \
       i64 capacity, i64 model_dim, int group_log2, const int *slot_table, i64 shared_blocks
 #define TUTEL_SCATTER_ARGS                                                                        \

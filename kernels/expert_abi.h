@@ -15,11 +15,9 @@
 #define TUTEL_DECODE_ROWS 8
 #define TUTEL_DECODE_COLUMNS 32
 
-/* The dtype of the routing weights (decode_experts.cu reads any of them as they are). */
-#define TUTEL_WEIGHTS_FLOAT32 0
-#define TUTEL_WEIGHTS_FLOAT64 1
-#define TUTEL_WEIGHTS_FLOAT16 2
-#define TUTEL_WEIGHTS_BFLOAT16 3
+/* The dtype of the routing weights: TUTEL_WEIGHTS_* (kernel_abi.h; decode_experts.cu reads any of
+ * them as they are). */
+#include "kernel_abi.h"
 
 /* decode_experts.cu: the routing of `tokens` tokens to `k` experts each.  Expert ids are int32
  * or int64 (ids_int64), weights of dtype TUTEL_WEIGHTS_* or absent (weights == 0: weight 1);

@@ -17,6 +17,23 @@
 #define TUTEL_ERROR_EXPERT_INDEX 0
 #define TUTEL_ERROR_NEGATIVE_LOCATION 1
 
+/* The dtype of a table of routing weights, which the kernels read as they are
+ * (as csrc/core/choice_weights.h's WeightType). */
+#define TUTEL_WEIGHTS_FLOAT32 0
+#define TUTEL_WEIGHTS_FLOAT64 1
+#define TUTEL_WEIGHTS_FLOAT16 2
+#define TUTEL_WEIGHTS_BFLOAT16 3
+
+/* dispatch.cu: the weight of choice j of token t is data[j * choice_stride + t * token_stride]
+ * (strides in elements, any layout, such as a [tokens, k] tensor seen through .t()), of dtype
+ * TUTEL_WEIGHTS_*, converted to the accumulation type in registers; data == 0: weight 1. */
+struct TutelChoiceWeights {
+  const void* data;
+  long long choice_stride;
+  long long token_stride;
+  int dtype;
+};
+
 /* tutel::route_experts (route_experts.cu): the score functions (as csrc/core's ScoreFunction),
  * the most tokens per chunk and groups of experts its shared memory holds, and the ints of its
  * phase counters (in front of its int workspace; zeroed by the first kernel for the second). */

@@ -77,6 +77,31 @@ struct alignas(sizeof(storage_t) * N) Pack {
 // Elements per 16-byte access.
 #define TUTEL_VECTOR_WIDTH ((int)(16 / sizeof(storage_t)))
 
+// A 16-bit float's value in any variant (routing weights may be float16 whatever the data).
+__device__ __forceinline__ float half_to_float(unsigned short bits) {
+#ifndef TUTEL_HOST_EMULATION
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+  return f;
+#else
+  return emulated_cvt_f32_f16(bits);
+#endif
+}
+
+// Weight (j, t) of a TutelChoiceWeights table (kernel_abi.h) in the accumulation type: a
+// float64 weight in a float32-accumulating variant is rounded to nearest, as the CPU's
+// static_cast (and Tensor.to) does; every other conversion is exact.
+__device__ __forceinline__ acc_t choice_weight(const TutelChoiceWeights& w, i64 j, i64 t) {
+  if (!w.data) return acc_t(1);
+  const i64 at = j * w.choice_stride + t * w.token_stride;
+  switch (w.dtype) {
+    case TUTEL_WEIGHTS_FLOAT64: return (acc_t)((const double*)w.data)[at];
+    case TUTEL_WEIGHTS_FLOAT16: return (acc_t)half_to_float(((const unsigned short*)w.data)[at]);
+    case TUTEL_WEIGHTS_BFLOAT16: return (acc_t)__uint_as_float((unsigned)((const unsigned short*)w.data)[at] << 16);
+    default: return (acc_t)((const float*)w.data)[at];
+  }
+}
+
 // An expert (or group of experts) and the score it is ranked by; index < 0: none yet.
 struct Candidate {
   acc_t value;

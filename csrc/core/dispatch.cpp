@@ -19,7 +19,7 @@ inline int64_t row_grain(int64_t M) { return std::max<int64_t>(1, 32768 / std::m
 // choice was dropped (location >= capacity), or reports bad data and returns -2.
 inline int64_t slot_of(const SlotTable& s, int64_t j, int64_t t, StatusCollector& status) {
   int64_t at = j * s.tokens + t;
-  int32_t e = s.indices[at];
+  int32_t e = s.indices != nullptr ? s.indices[at] : 0;
   int32_t l = s.locations[at];
   if (e < 0 || e >= s.experts) {
     status.report(StatusCode::kExpertIndexOutOfRange, j, t, e);
@@ -61,7 +61,7 @@ inline void combine_rows(const RowKernels<T>& kernels, T* dst, const T* const* r
 }  // namespace
 
 template <class T>
-Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const acc_t<T>* weights,
+Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const ChoiceWeights& weights,
                     const T* other, acc_t<T>* dots, T* out) {
   using A = acc_t<T>;
   const RowKernels<T>& kernels = row_kernels<T>();
@@ -78,7 +78,7 @@ Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const acc_t<T>
         if (dots) dots[j * s.tokens + t] = A(0);
         if (slot < 0) continue;
         kept_rows[kept] = rows + slot * M;
-        kept_weights[kept] = weights ? weights[j * s.tokens + t] : A(1);
+        kept_weights[kept] = choice_weight<T>(weights, j, t);
         kept_choices[kept] = j;
         ++kept;
       }
@@ -88,7 +88,7 @@ Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const acc_t<T>
         continue;
       }
       // One pass: every kept row is read once and the sum is rounded once.
-      combine_rows(kernels, dst, kept_rows.data(), weights ? kept_weights.data() : nullptr, kept, M);
+      combine_rows(kernels, dst, kept_rows.data(), weights.data ? kept_weights.data() : nullptr, kept, M);
       if (dots)
         for (int i = 0; i < kept; ++i)
           dots[kept_choices[i] * s.tokens + t] = kernels.dot(kept_rows[i], other + t * M, M);
@@ -98,7 +98,7 @@ Status gather_slots(const T* rows, int64_t M, const SlotTable& s, const acc_t<T>
 }
 
 template <class T>
-Status scatter_slots(const T* src, int64_t M, const SlotTable& s, const acc_t<T>* weights,
+Status scatter_slots(const T* src, int64_t M, const SlotTable& s, const ChoiceWeights& weights,
                      const T* other, acc_t<T>* dots, T* out) {
   using A = acc_t<T>;
   const RowKernels<T>& kernels = row_kernels<T>();
@@ -137,7 +137,8 @@ Status scatter_slots(const T* src, int64_t M, const SlotTable& s, const acc_t<T>
       }
       ++owned;
       const T* row = src + (at % s.tokens) * M;
-      combine_rows(kernels, dst, &row, weights ? weights + at : nullptr, 1, M);
+      const A w = choice_weight<T>(weights, at / s.tokens, at % s.tokens);
+      combine_rows(kernels, dst, &row, weights.data ? &w : nullptr, 1, M);
       if (dots) dots[at] = kernels.dot(row, other + slot * M, M);
     }
     owned_slots.fetch_add(owned, std::memory_order_relaxed);
@@ -155,16 +156,16 @@ Status scatter_slots(const T* src, int64_t M, const SlotTable& s, const acc_t<T>
     int64_t slot = slot_of(s, at / s.tokens, at % s.tokens, status);
     if (slot < 0) continue;
     const T* row = src + (at % s.tokens) * M;
-    add_scaled_row(out + slot * M, row, weights ? weights[at] : A(1), M);
+    add_scaled_row(out + slot * M, row, choice_weight<T>(weights, at / s.tokens, at % s.tokens), M);
     if (dots) dots[at] = kernels.dot(row, other + slot * M, M);
   }
   return Status{};
 }
 
 #define TUTEL_INSTANTIATE_DISPATCH(T)                                                           \
-  template Status gather_slots<T>(const T*, int64_t, const SlotTable&, const acc_t<T>*,       \
+  template Status gather_slots<T>(const T*, int64_t, const SlotTable&, const ChoiceWeights&, \
                                   const T*, acc_t<T>*, T*);                                   \
-  template Status scatter_slots<T>(const T*, int64_t, const SlotTable&, const acc_t<T>*,      \
+  template Status scatter_slots<T>(const T*, int64_t, const SlotTable&, const ChoiceWeights&, \
                                    const T*, acc_t<T>*, T*);
 
 TUTEL_INSTANTIATE_DISPATCH(float)

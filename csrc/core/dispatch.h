@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "choice_weights.h"
 #include "scalar.h"
 #include "status.h"
 
@@ -20,7 +21,7 @@ namespace tutel {
 namespace core {
 
 struct SlotTable {
-  const int32_t* indices;    // [k, tokens]
+  const int32_t* indices;    // [k, tokens]; nullptr: every choice's expert is 0 (the grouped layout)
   const int32_t* locations;  // [k, tokens]
   int64_t k;
   int64_t tokens;
@@ -29,17 +30,17 @@ struct SlotTable {
 };
 
 // out[t] = sum over kept choices j of w[j,t] * rows[slot(j,t)]; zero if all
-// choices of t were dropped.  w == nullptr means weight 1.
+// choices of t were dropped.  w (see ChoiceWeights) without data means weight 1.
 // If dots != nullptr: dots[j,t] = <rows[slot(j,t)], other[t]>, 0 when dropped.
 template <class T>
-Status gather_slots(const T* rows, int64_t M, const SlotTable& table, const acc_t<T>* weights,
+Status gather_slots(const T* rows, int64_t M, const SlotTable& table, const ChoiceWeights& weights,
                     const T* other, acc_t<T>* dots, T* out);
 
 // out[slot(j,t)] = w[j,t] * src[t]; unclaimed slots are zero; contributions of
 // several choices to one slot are summed in (choice, token) order.
 // If dots != nullptr: dots[j,t] = <other[slot(j,t)], src[t]>, 0 when dropped.
 template <class T>
-Status scatter_slots(const T* src, int64_t M, const SlotTable& table, const acc_t<T>* weights,
+Status scatter_slots(const T* src, int64_t M, const SlotTable& table, const ChoiceWeights& weights,
                      const T* other, acc_t<T>* dots, T* out);
 
 }  // namespace core

@@ -104,11 +104,12 @@ GatherPlan plan_gather(int64_t tokens, int64_t model_dim, int64_t element_size,
 
 ScatterPlan plan_scatter(int64_t tokens, int64_t k, int64_t experts, int64_t capacity,
                          int64_t model_dim, int64_t element_size, int multiprocessors,
-                         std::initializer_list<const void*> row_pointers) {
+                         std::initializer_list<const void*> row_pointers, bool grouped) {
   ScatterPlan plan;
   const int64_t slots = experts * capacity;
   plan.layout = plan_row_layout(model_dim, element_size, row_pointers);
-  plan.slot_table_ints = 2 * slots + 1;
+  // Grouped: an owner per slot of expert 0, the only expert a choice can name.
+  plan.slot_table_ints = grouped ? capacity : 2 * slots + 1;
   plan.claim_grid = Grid{blocks_for(k * tokens, TUTEL_BLOCK_THREADS), 1};
   plan.row_grid = Grid{blocks_for(slots, plan.layout.rows_per_block()), 1};
   // Blocks that also sum slots claimed more than once, if there are any.

@@ -111,10 +111,11 @@ struct GatherPlan {
 GatherPlan plan_gather(int64_t tokens, int64_t model_dim, int64_t element_size,
                        std::initializer_list<const void*> row_pointers);
 
-// scatter_claim_slots (one thread per entry) on a zeroed slot table of
-// slot_table_ints ints, then scatter_slots_{vector,scalar} (one group of lanes
-// per slot), whose first shared_blocks blocks also sum slots claimed by
-// several entries.
+// scatter_claim_slots (one thread per entry) on a slot table of slot_table_ints
+// ints, zeroed first unless `grouped` (no indices, distinct locations: an owner
+// per slot of expert 0 that is checked before it is trusted), then
+// scatter_slots_{vector,scalar} (one group of lanes per slot), whose first
+// shared_blocks blocks also sum slots claimed by several entries (never grouped).
 struct ScatterPlan {
   RowLayout layout;
   int64_t slot_table_ints = 0;
@@ -124,7 +125,7 @@ struct ScatterPlan {
 };
 ScatterPlan plan_scatter(int64_t tokens, int64_t k, int64_t experts, int64_t capacity,
                          int64_t model_dim, int64_t element_size, int multiprocessors,
-                         std::initializer_list<const void*> row_pointers);
+                         std::initializer_list<const void*> row_pointers, bool grouped = false);
 
 // ---------------------------------------------------- route_experts.cu --
 // route_experts_route: one block per chunk of chunk_tokens tokens (at least one block); then

@@ -13,16 +13,17 @@ void check_token_count(int64_t tokens, const char* op) {
                     ": at most 2^31-1 tokens are supported, got ", tokens);
 }
 
-// Validates optional weights [k, T] (accumulation dtype) and returns them contiguous.
-at::Tensor checked_weights(const c10::optional<at::Tensor>& weights, const at::Tensor& indices,
-                           at::ScalarType data_dtype, const char* op) {
+// Validates optional weights [k, T]: any floating dtype and any strides, since the kernels
+// read each weight in place and convert it to the accumulation dtype (no copy is made).
+at::Tensor checked_weights(const c10::optional<at::Tensor>& weights, const at::Tensor& locations,
+                           const char* op) {
   if (!weights.has_value()) return at::Tensor();
-  check_dtype(*weights, accumulation_dtype(data_dtype), op, "weights");
-  TORCH_CHECK_VALUE(weights->sizes() == indices.sizes(), "tutel::", op,
-                    ": `weights` must have the shape of `indices` ", indices.sizes(), ", got ",
+  check_floating(*weights, op, "weights");
+  TORCH_CHECK_VALUE(weights->sizes() == locations.sizes(), "tutel::", op,
+                    ": `weights` must have the shape of `indices` ", locations.sizes(), ", got ",
                     weights->sizes());
-  check_same_device(indices, *weights, op, "weights");
-  return weights->contiguous();
+  check_same_device(locations, *weights, op, "weights");
+  return *weights;
 }
 
 at::Tensor checked_other(const c10::optional<at::Tensor>& other, at::IntArrayRef shape,
@@ -37,21 +38,26 @@ at::Tensor checked_other(const c10::optional<at::Tensor>& other, at::IntArrayRef
 
 // The checks common to both directions; fills everything but other/experts/capacity.
 SlotArgs slot_args(const at::Tensor& data, int64_t data_dim, const char* data_name,
-                   const at::Tensor& indices, const at::Tensor& locations,
+                   const c10::optional<at::Tensor>& indices, const at::Tensor& locations,
                    const c10::optional<at::Tensor>& weights, const char* op) {
   check_dim(data, data_dim, op, data_name);
   check_floating(data, op, data_name);
-  check_slot_table(indices, locations, op);
-  check_same_device(data, indices, op, "indices");
-  check_same_device(data, locations, op, "locations");
   SlotArgs args;
+  if (indices.has_value()) {
+    check_slot_table(*indices, locations, op);
+    check_same_device(data, *indices, op, "indices");
+    args.indices = indices->contiguous();
+  } else {
+    check_dtype(locations, at::kInt, op, "locations");
+    check_dim(locations, 2, op, "locations");
+  }
+  check_same_device(data, locations, op, "locations");
   args.data = data.contiguous();
-  args.indices = indices.contiguous();
   args.locations = locations.contiguous();
-  args.k = args.indices.size(0);
-  args.tokens = args.indices.size(1);
+  args.k = args.locations.size(0);
+  args.tokens = args.locations.size(1);
   args.model_dim = data.size(data_dim - 1);
-  args.weights = checked_weights(weights, args.indices, data.scalar_type(), op);
+  args.weights = checked_weights(weights, args.locations, op);
   return args;
 }
 
@@ -90,7 +96,7 @@ AssignArgs assign_locations_args(const at::Tensor& indices, int64_t experts,
   return args;
 }
 
-SlotArgs gather_slots_args(const at::Tensor& rows, const at::Tensor& indices,
+SlotArgs gather_slots_args(const at::Tensor& rows, const c10::optional<at::Tensor>& indices,
                            const at::Tensor& locations, const c10::optional<at::Tensor>& weights,
                            const c10::optional<at::Tensor>& other) {
   const char* op = "gather_slots";
@@ -101,7 +107,7 @@ SlotArgs gather_slots_args(const at::Tensor& rows, const at::Tensor& indices,
   return args;
 }
 
-SlotArgs scatter_slots_args(const at::Tensor& src, const at::Tensor& indices,
+SlotArgs scatter_slots_args(const at::Tensor& src, const c10::optional<at::Tensor>& indices,
                             const at::Tensor& locations, const c10::optional<at::Tensor>& weights,
                             const c10::optional<at::Tensor>& other, int64_t experts,
                             int64_t capacity) {
@@ -117,8 +123,20 @@ SlotArgs scatter_slots_args(const at::Tensor& src, const at::Tensor& indices,
   return args;
 }
 
+core::ChoiceWeights choice_weights(const at::Tensor& weights) {
+  if (!weights.defined() || weights.numel() == 0) return core::ChoiceWeights{};
+  core::WeightType type = core::WeightType::kFloat32;
+  switch (weights.scalar_type()) {
+    case at::kDouble: type = core::WeightType::kFloat64; break;
+    case at::kHalf: type = core::WeightType::kFloat16; break;
+    case at::kBFloat16: type = core::WeightType::kBFloat16; break;
+    default: break;  // float32 (checked_weights allows only the four floating dtypes)
+  }
+  return core::ChoiceWeights{weights.data_ptr(), type, weights.stride(0), weights.stride(1)};
+}
+
 at::Tensor make_dots(const SlotArgs& args) {
-  auto options = args.indices.options().dtype(accumulation_dtype(args.data.scalar_type()));
+  auto options = args.locations.options().dtype(accumulation_dtype(args.data.scalar_type()));
   return args.other.defined() ? at::empty({args.k, args.tokens}, options) : at::empty({0}, options);
 }
 

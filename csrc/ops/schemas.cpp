@@ -26,14 +26,16 @@ TORCH_LIBRARY(tutel, m) {
   // out = cumsum(mask, dim=0) - 1 for a 2-D mask.
   m.def("cumsum_sub_one(Tensor mask) -> Tensor");
   // out[t] = sum_j w[j,t] * rows[idx, loc] over kept choices; rows is [E, C, M].
+  // indices None: every choice's expert is 0 (the grouped layout); weights [k, T] may have
+  // any floating dtype and strides (read in place).
   // dots[j,t] = <rows[idx, loc], other[t]> when `other` is given, else empty.
   m.def(
-      "gather_slots(Tensor rows, Tensor indices, Tensor locations, Tensor? weights, "
+      "gather_slots(Tensor rows, Tensor? indices, Tensor locations, Tensor? weights, "
       "Tensor? other) -> (Tensor out, Tensor dots)");
   // out[idx, loc] = w[j,t] * src[t] into a zeroed [E, C, M] buffer.
   // dots[j,t] = <other[idx, loc], src[t]> when `other` ([E, C, M]) is given.
   m.def(
-      "scatter_slots(Tensor src, Tensor indices, Tensor locations, Tensor? weights, "
+      "scatter_slots(Tensor src, Tensor? indices, Tensor locations, Tensor? weights, "
       "Tensor? other, SymInt num_experts, SymInt capacity) -> (Tensor out, Tensor dots)");
   // Grouped linear map over consecutive row blocks (the dropless expert GEMMs):
   // rows [o_g, o_g + group_rows[g]) of x [N, K] times weight[g] ([K, O], or

@@ -68,7 +68,7 @@ TEST_P(DispatchCases, GatherMatchesBruteForce) {
   auto other = random_rows(c.tokens * c.M, rng);
   for (bool weighted : {false, true}) {
     std::vector<double> out(c.tokens * c.M, 1e300), dots(c.k * c.tokens, 1e300);
-    ASSERT_TRUE(gather_slots(rows.data(), c.M, table_of(r, c), weighted ? r.weights.data() : nullptr,
+    ASSERT_TRUE(gather_slots(rows.data(), c.M, table_of(r, c), weighted ? contiguous_weights(r.weights.data(), c.tokens) : ChoiceWeights{},
                              other.data(), dots.data(), out.data()).ok());
     for (int64_t t = 0; t < c.tokens; ++t) {
       std::vector<double> want(c.M, 0.0);
@@ -95,7 +95,7 @@ TEST_P(DispatchCases, ScatterMatchesBruteForce) {
   auto other = random_rows(c.experts * c.capacity * c.M, rng);
   for (bool weighted : {false, true}) {
     std::vector<double> out(c.experts * c.capacity * c.M, 1e300), dots(c.k * c.tokens, 1e300);
-    ASSERT_TRUE(scatter_slots(src.data(), c.M, table_of(r, c), weighted ? r.weights.data() : nullptr,
+    ASSERT_TRUE(scatter_slots(src.data(), c.M, table_of(r, c), weighted ? contiguous_weights(r.weights.data(), c.tokens) : ChoiceWeights{},
                               other.data(), dots.data(), out.data()).ok());
     std::vector<double> want(out.size(), 0.0);
     for (int64_t j = 0; j < c.k; ++j)
@@ -125,7 +125,7 @@ TEST(Dispatch, SharedSlotsAreSummed) {
   std::vector<int32_t> indices = {0, 0, 1}, locations = {0, 0, 0};
   std::vector<float> src = {1, 2, 3, 10, 20, 30, 5, 5, 5}, out(2 * 1 * M, -1.f);
   SlotTable table{indices.data(), locations.data(), 1, 3, 2, 1};
-  ASSERT_TRUE(scatter_slots<float>(src.data(), M, table, nullptr, nullptr, nullptr, out.data()).ok());
+  ASSERT_TRUE(scatter_slots<float>(src.data(), M, table, {}, nullptr, nullptr, out.data()).ok());
   EXPECT_EQ(out, (std::vector<float>{11, 22, 33, 5, 5, 5}));
 }
 
@@ -133,12 +133,12 @@ TEST(Dispatch, RejectsBadSlots) {
   std::vector<int32_t> indices = {0, 5}, locations = {0, 0};
   std::vector<float> rows(2 * 2 * 1, 1.f), out(2, 0.f);
   SlotTable table{indices.data(), locations.data(), 1, 2, 2, 2};
-  Status s = gather_slots<float>(rows.data(), 1, table, nullptr, nullptr, nullptr, out.data());
+  Status s = gather_slots<float>(rows.data(), 1, table, {}, nullptr, nullptr, out.data());
   EXPECT_EQ(s.code, StatusCode::kExpertIndexOutOfRange);
   EXPECT_EQ(s.token, 1);
   indices = {0, 1};
   locations = {0, -3};
-  s = scatter_slots<float>(out.data(), 1, table, nullptr, nullptr, nullptr, rows.data());
+  s = scatter_slots<float>(out.data(), 1, table, {}, nullptr, nullptr, rows.data());
   EXPECT_EQ(s.code, StatusCode::kNegativeLocation);
   EXPECT_EQ(s.value, -3);
 }
@@ -152,6 +152,27 @@ TEST(Dispatch, Bfloat16AccumulatesInFloat) {
   for (int e = 0; e < 3; ++e)
     for (int m = 0; m < M; ++m) rows[e * M + m] = float_to_bf16(values[e]);
   SlotTable table{indices.data(), locations.data(), 3, tokens, experts, capacity};
-  ASSERT_TRUE(gather_slots<bfloat16>(rows.data(), M, table, nullptr, nullptr, nullptr, out.data()).ok());
+  ASSERT_TRUE(gather_slots<bfloat16>(rows.data(), M, table, {}, nullptr, nullptr, out.data()).ok());
   for (int m = 0; m < M; ++m) EXPECT_EQ(bf16_to_float(out[m]), 1.0f + 2.0f / 256);
+}
+
+TEST(Dispatch, GroupedLayoutAndStridedWeights) {
+  // No indices: every choice names expert 0.  The weights are a [T, k] bfloat16 table read as
+  // [k, T] through strides; 1 + 1/128 is exact in bfloat16 and comes through unrounded.
+  const int64_t M = 2, tokens = 2, k = 2, capacity = 4;
+  std::vector<int32_t> zeros(k * tokens, 0), locations = {2, 0, 4, 1};  // choice 1 of token 0 dropped
+  std::vector<bfloat16> weights = {float_to_bf16(1.0f + 1.0f / 128), float_to_bf16(3.0f),
+                                   float_to_bf16(-2.0f), float_to_bf16(0.5f)};  // [t][j]
+  const ChoiceWeights strided{weights.data(), WeightType::kBFloat16, 1, k};
+  std::vector<float> src = {1, 2, 10, 20}, out(2 * capacity * M, -1.f), with_zeros(out);
+  SlotTable grouped{nullptr, locations.data(), k, tokens, 2, capacity};
+  ASSERT_TRUE(scatter_slots<float>(src.data(), M, grouped, strided, nullptr, nullptr, out.data()).ok());
+  EXPECT_EQ(out, (std::vector<float>{-20, -40, 5, 10, 1 + 1.0f / 128, 2 + 2.0f / 128, 0, 0,  // expert 0
+                                     0, 0, 0, 0, 0, 0, 0, 0}));                                // expert 1
+  SlotTable explicit_zeros{zeros.data(), locations.data(), k, tokens, 2, capacity};
+  ASSERT_TRUE(scatter_slots<float>(src.data(), M, explicit_zeros, strided, nullptr, nullptr, with_zeros.data()).ok());
+  EXPECT_EQ(out, with_zeros);
+  std::vector<float> back(tokens * M, -1.f);
+  ASSERT_TRUE(gather_slots<float>(out.data(), M, grouped, {}, nullptr, nullptr, back.data()).ok());
+  EXPECT_EQ(back, (std::vector<float>{1 + 1.0f / 128, 2 + 2.0f / 128, -15, -30}));
 }

@@ -41,12 +41,14 @@ def launches_kernel(func) -> bool:
 
 
 # Kernel launches of one call of tutel's compiled operators on CUDA (csrc/ops/cuda, listed in
-# docs/cuda-backend.md); every other operator counts one.
+# docs/cuda-backend.md), as a number or a function of the call's arguments; every other operator
+# counts one.
 CUDA_LAUNCHES = {
     "tutel.route_topk.default": 3,
     "tutel.assign_locations.default": 3,
     "tutel.cumsum_sub_one.default": 3,
-    "tutel.scatter_slots.default": 3,
+    # a memset of the slot table, claiming slots, the rows; the grouped layout (no indices): no memset
+    "tutel.scatter_slots.default": lambda src, indices, *rest: 3 if indices is not None else 2,
     "tutel.group_by_expert.default": 2,
     "tutel.route_experts.default": 2,
     "tutel.decode_experts.default": 2,
@@ -70,6 +72,7 @@ class OperatorCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.operators: List[str] = []
+        self.launches: List[int] = []  # the CUDA kernels of each recorded operator
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         implementation = _python_implementation(func)
@@ -77,9 +80,13 @@ class OperatorCount(TorchDispatchMode):
             with OperatorCount() as inner:
                 result = implementation(*args, **(kwargs or {}))
             self.operators.extend(inner.operators)
+            self.launches.extend(inner.launches)
             return result
         if launches_kernel(func):
-            self.operators.append(str(func))
+            name = str(func)
+            launches = CUDA_LAUNCHES.get(name, 1)
+            self.operators.append(name)
+            self.launches.append(launches(*args, **(kwargs or {})) if callable(launches) else launches)
         return func(*args, **(kwargs or {}))
 
     def __len__(self) -> int:
@@ -88,7 +95,7 @@ class OperatorCount(TorchDispatchMode):
     @property
     def kernels(self) -> int:
         """The CUDA kernels the recorded operators launch."""
-        return sum(CUDA_LAUNCHES.get(name, 1) for name in self.operators)
+        return sum(self.launches)
 
 
 _GUARD_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda_guard.cpp")

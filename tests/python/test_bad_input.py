@@ -113,7 +113,7 @@ def test_direct_operator_calls_are_checked_too():
         torch.ops.tutel.gather_slots(torch.rand(2, 2, 2), idx.long(), idx, None, None)
     with pytest.raises(ValueError, match="k=0"):
         torch.ops.tutel.route_topk(torch.rand(3, 3), 0, False)
-    with pytest.raises(TypeError, match="weights"):
-        torch.ops.tutel.gather_slots(torch.rand(2, 2, 2), idx, idx, torch.ones(1, 3, dtype=torch.float64), None)
+    with pytest.raises(TypeError, match="weights"):  # any floating dtype is read in place, integers are not
+        torch.ops.tutel.gather_slots(torch.rand(2, 2, 2), idx, idx, torch.ones(1, 3, dtype=torch.int32), None)
     with pytest.raises(ValueError, match="capacity"):
         torch.ops.tutel.scatter_slots(torch.rand(3, 2), idx, idx, None, None, 2, -1)

@@ -373,7 +373,7 @@ BAD_ARGUMENTS = [  # (operator, which argument is replaced, by what, exception)
     ("gather_slots", 0, torch.ones(4, 2, 3, dtype=torch.int32), TypeError),          # integer rows
     ("gather_slots", 1, torch.zeros(2, 3, dtype=torch.int64), TypeError),            # int64 indices
     ("gather_slots", 2, torch.zeros(2, 4, dtype=torch.int32), ValueError),           # shapes differ
-    ("gather_slots", 3, torch.ones(2, 3, dtype=torch.float64), TypeError),           # weights dtype
+    ("gather_slots", 3, torch.ones(2, 3, dtype=torch.int32), TypeError),             # integer weights
     ("gather_slots", 3, torch.ones(3, 2), ValueError),                               # weights shape
     ("gather_slots", 4, torch.ones(3, 4), ValueError),                               # other shape
     ("scatter_slots", 0, torch.randn(4, 3), ValueError),                             # 4 rows, 3 tokens

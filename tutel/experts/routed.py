@@ -66,7 +66,7 @@ class RoutingPlan(NamedTuple):
     """The chosen (token, expert) pairs sorted by expert: slot i of the grouped rows holds
     choice ``slot_choices[i]`` (= t * k + j); ``locations`` [k, T] gives each choice's slot (N =
     dropped)."""
-    indices: torch.Tensor  # [k, T] zeros: the grouped rows form one "expert" for encode / decode
+    indices: Optional[torch.Tensor]  # None: the grouped rows form one "expert" (0) for encode / decode
     locations: torch.Tensor  # [k, T] int32 slot of each choice, N for ids outside [0, E)
     slot_choices: torch.Tensor  # [N] int64 choice held by each slot (the dropped ones last, in order)
     sorted_ids: Optional[torch.Tensor]  # [N] expert of each slot (E for the dropped ones, which sort last)
@@ -86,7 +86,7 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     synchronisation on CUDA (tensor operations elsewhere, tutel.ops.backend)."""
     locations, slot_choices, sorted_ids, counts, ends = \
         operators_for(expert_ids.device).group_by_expert(expert_ids, num_experts)
-    return RoutingPlan(torch.zeros_like(locations), locations, slot_choices, sorted_ids, counts, ends)
+    return RoutingPlan(None, locations, slot_choices, sorted_ids, counts, ends)
 
 
 class _ExpertsCall(NamedTuple):
@@ -165,7 +165,8 @@ def combine_without_grad(x: torch.Tensor, weights: Optional[torch.Tensor], plan:
     # Capacity `kept`: the dropped choices (slot N = T*k) stay out of the grouped rows.
     rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, kept)[0]
     out = products(rows.view(kept, x.shape[1]), _plan_piece(plan, 0, kept))
-    gates = None if weights is None else weights.t().to(accumulation_dtype(out.dtype)).contiguous()
+    # The [T, k] weights read in place as [k, T], whatever their floating dtype.
+    gates = None if weights is None else weights.t()
     return torch.ops.tutel.gather_slots(out.view(1, kept, out.shape[-1]), plan.indices, plan.locations, gates,
                                         None)[0]
 

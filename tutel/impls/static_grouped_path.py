@@ -71,9 +71,9 @@ def forward_static_grouped(layer, x: torch.Tensor, call: CallSettings) -> LayerR
     rows = routing.row_choices.shape[0]  # T * k, or E * capacity
     ctx = _context(layer, call, routing)
     run, _ = layer.experts.grouped_products(ctx, x.dtype)
-    # The grouped buffer is one "expert" of `rows` slots: every choice's expert index is 0.
-    indices = torch.zeros_like(routing.grouped_locations)
-    # The experts read the ends only (the slots' choices and experts are not needed).
+    # The grouped buffer is one "expert" of `rows` slots (indices None: every choice's expert is 0),
+    # each slot named by at most one choice; the experts read the ends only.
+    indices = None
     plan = RoutingPlan(indices, routing.grouped_locations, None, None, routing.dispatch_count, routing.ends)
     weights = routing.weights  # in the accumulation dtype the combine takes: no conversion
     at_combine = layer.is_postscore

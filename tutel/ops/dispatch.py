@@ -6,12 +6,21 @@ decode:  out[t]     = sum_j g[j, t] * y[e, l]   over the kept choices of token t
 A choice with location >= capacity is dropped: it is not dispatched and adds
 nothing when combining.  ``gates=None`` means weight 1 (Tutel's
 ``is_postscore`` applies gates at decode time, so encode runs without them).
+
+``indices=None`` is the grouped layout (tutel.experts.routed): every choice goes
+to expert 0, whose slots hold the rows grouped by expert, and no table of zeros
+is made.  For ``encode`` it also promises that no two kept choices name one
+location, which lets CUDA skip the slot table (see tutel.ops.encode).  The
+gates are read as they are (any floating dtype, any strides, e.g. ``w.t()`` of
+a [T, k] tensor) and converted to the accumulation dtype inside the kernels;
+their gradient is accumulated in that dtype and returned in the gates' dtype.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .checks import (
+    FLOATING_DTYPES,
     accumulation_dtype,
     as_slot_tensor,
     require_dim,
@@ -36,7 +45,7 @@ class _Encode(torch.autograd.Function):
         x, indices, locations, gates = ctx.saved_tensors
         grad_x, grad_gates = operators_for(grad_out.device).gather_slots(grad_out.contiguous(), indices, locations, gates, x)
         return (grad_x if ctx.needs_input_grad[0] else None, None, None,
-                grad_gates if x is not None else None, None, None)
+                _in_dtype_of(grad_gates, gates) if x is not None else None, None, None)
 
 
 class _Decode(torch.autograd.Function):
@@ -55,23 +64,37 @@ class _Decode(torch.autograd.Function):
         grad_y, grad_gates = operators_for(grad_out.device).scatter_slots(
             grad_out.contiguous(), indices, locations, gates, y, num_experts, capacity)
         return (grad_y if ctx.needs_input_grad[0] else None, None, None,
-                grad_gates if y is not None else None)
+                _in_dtype_of(grad_gates, gates) if y is not None else None)
 
 
-def _prepare_gates(gates, indices: torch.Tensor, data: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+def _in_dtype_of(grad_gates: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """The gates' gradient, accumulated by the operators in the data's accumulation dtype, in the
+    gates' own dtype (as autograd expects; no copy when they already agree)."""
+    return grad_gates.to(gates.dtype)
+
+
+def _prepare_gates(gates, locations: torch.Tensor, data: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+    """The gates as a [k, T] tensor the operators read in place: float32 / float64 / bfloat16 /
+    float16 of any strides stay as they are; other floating dtypes become the accumulation dtype."""
     if gates is None:
         return None
     gates = stack_choices(gates, "gates", where)
     if not gates.dtype.is_floating_point:
         raise TypeError(f"{where}: `gates` must be floating point, got {gates.dtype}")
-    if gates.shape != indices.shape:
-        raise ValueError(f"{where}: `gates` must have shape [k, tokens] = {tuple(indices.shape)}, "
+    if gates.shape != locations.shape:
+        raise ValueError(f"{where}: `gates` must have shape [k, tokens] = {tuple(locations.shape)}, "
                          f"got {tuple(gates.shape)}")
     same_device(data, gates, "gates", where)
-    return gates.to(accumulation_dtype(data.dtype))
+    return gates if gates.dtype in FLOATING_DTYPES else gates.to(accumulation_dtype(data.dtype))
 
 
-def _prepare_table(indices, locations, data: torch.Tensor, where: str):
+def _prepare_table(indices, locations, data: torch.Tensor, where: str
+                   ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(indices or None, locations) as contiguous int32 [k, T] tensors on the data's device."""
+    if indices is None:
+        locations = as_slot_tensor(locations, "locations", where)
+        same_device(data, locations, "locations", where)
+        return None, locations
     indices = as_slot_tensor(indices, "indices", where)
     locations = as_slot_tensor(locations, "locations", where)
     if indices.shape != locations.shape:
@@ -89,8 +112,15 @@ def encode(x: torch.Tensor, indices, locations, num_experts: int, capacity: int,
     Args:
         x: [T, M] token features (float32, float64, bfloat16 or float16).
         indices, locations: [k, T] integer tensors (or lists of k [T] tensors).
+            ``indices=None``: every choice goes to expert 0 (the grouped layout), and the
+            caller guarantees that each location below ``capacity`` is named by at most one
+            choice (CUDA then writes the rows in two launches, without a slot table).  If two
+            choices do name one location, the CPU sums them as usual but the result on CUDA
+            is unspecified: one of them, any, is written and the others add nothing.
         num_experts, capacity: buffer shape.
-        gates: optional [k, T] weights applied while dispatching (pre-scoring).
+        gates: optional [k, T] weights applied while dispatching (pre-scoring), any
+            floating dtype and any strides (read in place).  Their gradient is returned in
+            their dtype, accumulated in float32 (float64 for float64 data).
 
     Differentiable with respect to ``x`` and ``gates``.
     """
@@ -100,10 +130,10 @@ def encode(x: torch.Tensor, indices, locations, num_experts: int, capacity: int,
     num_experts = require_int(num_experts, "num_experts", where, minimum=1)
     capacity = require_int(capacity, "capacity", where, minimum=0)
     indices, locations = _prepare_table(indices, locations, x, where)
-    if indices.shape[1] != x.shape[0]:
+    if locations.shape[1] != x.shape[0]:
         raise ValueError(f"{where}: `x` has {x.shape[0]} tokens but `indices` describes "
-                         f"{indices.shape[1]}")
-    weights = _prepare_gates(gates, indices, x, where)
+                         f"{locations.shape[1]}")
+    weights = _prepare_gates(gates, locations, x, where)
     return _Encode.apply(x, indices, locations, weights, num_experts, capacity)
 
 
@@ -112,8 +142,11 @@ def decode(y: torch.Tensor, indices, locations, gates=None) -> torch.Tensor:
 
     Args:
         y: [E, C, M] expert buffer.
-        indices, locations: [k, T] integer tensors (or lists of k [T] tensors).
-        gates: optional [k, T] weights (post-scoring); None means weight 1.
+        indices, locations: [k, T] integer tensors (or lists of k [T] tensors);
+            ``indices=None``: every choice reads expert 0 (the grouped layout).
+        gates: optional [k, T] weights (post-scoring); None means weight 1.  Any floating
+            dtype and any strides (``weights.t()`` of a [T, k] tensor is read in place); their
+            gradient comes back in their dtype, accumulated in float32 (float64 for float64 y).
 
     Returns:
         [T, M]: for each token the gate-weighted sum of its kept slots (zeros if
@@ -123,5 +156,5 @@ def decode(y: torch.Tensor, indices, locations, gates=None) -> torch.Tensor:
     require_floating(y, "y", where)
     require_dim(y, 3, "y", where)
     indices, locations = _prepare_table(indices, locations, y, where)
-    weights = _prepare_gates(gates, indices, y, where)
+    weights = _prepare_gates(gates, locations, y, where)
     return _Decode.apply(y, indices, locations, weights)

@@ -37,23 +37,24 @@ def _cumsum_sub_one(mask):
     return mask.new_empty(mask.shape, dtype=mask.dtype if floating else torch.int64)
 
 
-def _dots(indices, other, dtype):
+def _dots(locations, other, dtype):
+    """The dots output: [k, T] (the shape of `locations`; indices may be None) or empty."""
     acc = _accumulation_dtype(dtype)
     if other is None:
-        return indices.new_empty((0,), dtype=acc)
-    return indices.new_empty(indices.shape, dtype=acc)
+        return locations.new_empty((0,), dtype=acc)
+    return locations.new_empty(locations.shape, dtype=acc)
 
 
 @register_fake("tutel::gather_slots")
 def _gather_slots(rows, indices, locations, weights, other):
-    out = rows.new_empty((indices.shape[1], rows.shape[2]))
-    return out, _dots(indices, other, rows.dtype)
+    out = rows.new_empty((locations.shape[1], rows.shape[2]))
+    return out, _dots(locations, other, rows.dtype)
 
 
 @register_fake("tutel::scatter_slots")
 def _scatter_slots(src, indices, locations, weights, other, num_experts, capacity):
     out = src.new_empty((num_experts, capacity, src.shape[1]))
-    return out, _dots(indices, other, src.dtype)
+    return out, _dots(locations, other, src.dtype)
 
 
 def _grouped_outputs(weight, weight_transposed):

@@ -15,16 +15,10 @@ namespace tutel {
 namespace ops {
 namespace {
 
-core::SlotTable slot_table(const at::Tensor& indices, const at::Tensor& locations, int64_t experts,
-                           int64_t capacity) {
-  return core::SlotTable{indices.data_ptr<int32_t>(), locations.data_ptr<int32_t>(),
-                         indices.size(0),           indices.size(1),
-                         experts,                   capacity};
-}
-
-template <class T>
-const core::acc_t<core_t<T>>* maybe_ptr_acc(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<const core::acc_t<core_t<T>>*>(t.data_ptr()) : nullptr;
+// Undefined indices (the grouped layout) become a null table: every choice's expert is 0.
+core::SlotTable slot_table(const SlotArgs& a) {
+  return core::SlotTable{a.indices.defined() ? a.indices.data_ptr<int32_t>() : nullptr,
+                         a.locations.data_ptr<int32_t>(), a.k, a.tokens, a.experts, a.capacity};
 }
 
 template <class T>
@@ -43,9 +37,8 @@ std::tuple<at::Tensor, at::Tensor> run_slots(const SlotArgs& a, at::Tensor out, 
                                              Kernel kernel) {
   at::Tensor dots = make_dots(a);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.data.scalar_type(), "tutel_dispatch", [&] {
-    auto status = kernel(core_ptr<scalar_t>(a.data), a.model_dim,
-                         slot_table(a.indices, a.locations, a.experts, a.capacity),
-                         maybe_ptr_acc<scalar_t>(a.weights), maybe_data<scalar_t>(a.other),
+    auto status = kernel(core_ptr<scalar_t>(a.data), a.model_dim, slot_table(a),
+                         choice_weights(a.weights), maybe_data<scalar_t>(a.other),
                          maybe_out_acc<scalar_t>(dots), core_ptr<scalar_t>(out));
     raise_if_failed(status, op);
   });
@@ -53,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> run_slots(const SlotArgs& a, at::Tensor out, 
 }
 
 std::tuple<at::Tensor, at::Tensor> gather_slots_cpu(const at::Tensor& rows,
-                                                    const at::Tensor& indices,
+                                                    const c10::optional<at::Tensor>& indices,
                                                     const at::Tensor& locations,
                                                     const c10::optional<at::Tensor>& weights,
                                                     const c10::optional<at::Tensor>& other) {
@@ -63,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor> gather_slots_cpu(const at::Tensor& rows,
 }
 
 std::tuple<at::Tensor, at::Tensor> scatter_slots_cpu(
-    const at::Tensor& src, const at::Tensor& indices, const at::Tensor& locations,
+    const at::Tensor& src, const c10::optional<at::Tensor>& indices, const at::Tensor& locations,
     const c10::optional<at::Tensor>& weights, const c10::optional<at::Tensor>& other,
     int64_t experts, int64_t capacity) {
   const SlotArgs a = scatter_slots_args(src, indices, locations, weights, other, experts, capacity);

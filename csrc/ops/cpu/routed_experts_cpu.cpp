@@ -6,7 +6,7 @@
 // the same CPU implementations run back to back in C++.
 //
 // The work around the products stays out of ATen's operators (the grouping into plain arrays, the
-// rows scattered and gathered by core/dispatch.h, the routing weights converted in a loop): with the
+// rows scattered and gathered by core/dispatch.h, the routing weights read in place): with the
 // caches cold after the weights streamed, each operator call through the dispatcher costs several
 // microseconds; one token through DeepSeek-like experts spent 90 us of its fixed 130 there.  For the
 // same reason tutel._C also binds the function directly, for eager CPU calls without autograd
@@ -22,6 +22,7 @@
 #include "../../core/dispatch.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "../op_args.h"
 #include "gated_units_cpu.h"
 #include "grouped_linear_cpu.h"
 #include "routing_cpu.h"
@@ -91,21 +92,6 @@ void check_arguments(const at::Tensor& x, const at::Tensor& expert_ids, const c1
                       t.device());
 }
 
-// The routing weights [T, k] (any floating dtype, any strides) as gather_slots takes them: [k, T]
-// in the accumulation type.
-template <class A>
-std::vector<A> weights_by_choice(const at::Tensor& weights) {
-  const int64_t tokens = weights.size(0), k = weights.size(1);
-  std::vector<A> by_choice(tokens * k);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weights.scalar_type(), kOp, [&] {
-    const scalar_t* w = weights.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t j = 0; j < k; ++j)
-        by_choice[j * tokens + t] = static_cast<A>(w[t * weights.stride(0) + j * weights.stride(1)]);
-  });
-  return by_choice;
-}
-
 at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& expert_ids,
                                     const c10::optional<at::Tensor>& weights, const at::Tensor& up_weight,
                                     const at::Tensor& down_weight, const c10::optional<at::Tensor>& up_bias,
@@ -124,14 +110,14 @@ at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& exper
                        counts.data(), ends.data());
   const int64_t kept = ends[experts - 1];  // E >= 1 (checked)
   // The kept slots form one "expert" of capacity `kept` (dropped choices sit at location
-  // T k >= kept): the token rows are scattered into it and the outputs gathered back from it.
-  const std::vector<int32_t> zeros(choices, 0);
-  const core::SlotTable table{zeros.data(), locations.data(), k, tokens, 1, kept};
+  // T k >= kept): the token rows are scattered into it and the outputs gathered back from it
+  // (no expert table: every choice's expert is 0).
+  const core::SlotTable table{nullptr, locations.data(), k, tokens, 1, kept};
   const at::Tensor x_rows = x.contiguous();
   at::Tensor rows = empty_reusable({kept, features}, x.options());
   at::Tensor out = empty_reusable({tokens, outputs}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), kOp, [&] {
-    raise_if_failed(core::scatter_slots<core_t<scalar_t>>(core_ptr<scalar_t>(x_rows), features, table, nullptr,
+    raise_if_failed(core::scatter_slots<core_t<scalar_t>>(core_ptr<scalar_t>(x_rows), features, table, {},
                                                           nullptr, nullptr, core_ptr<scalar_t>(rows)),
                     kOp);
   });
@@ -144,12 +130,11 @@ at::Tensor routed_gated_experts_cpu(const at::Tensor& x, const at::Tensor& exper
                                 alpha, up_offset, limit)
           : gated_unit_cpu(up, alpha, up_offset, limit, interleaved);
   const at::Tensor hidden = grouped_linear_cpu(unit, down_weight, down_bias, group_rows, !transposed);
+  // The [T, k] weights read in place as [k, T] (any floating dtype and strides).
+  const core::ChoiceWeights gates = weights.has_value() ? choice_weights(weights->t()) : core::ChoiceWeights{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), kOp, [&] {
-    using A = core::acc_t<core_t<scalar_t>>;
-    const std::vector<A> gates = weights.has_value() ? weights_by_choice<A>(*weights) : std::vector<A>();
-    raise_if_failed(core::gather_slots<core_t<scalar_t>>(core_ptr<scalar_t>(hidden), outputs, table,
-                                                         gates.empty() ? nullptr : gates.data(), nullptr, nullptr,
-                                                         core_ptr<scalar_t>(out)),
+    raise_if_failed(core::gather_slots<core_t<scalar_t>>(core_ptr<scalar_t>(hidden), outputs, table, gates,
+                                                         nullptr, nullptr, core_ptr<scalar_t>(out)),
                     kOp);
   });
   return out;

@@ -24,7 +24,7 @@ from ...ops.gated_units import check_unit, unit_scalars
 from ...ops.precision import gemm_dtype
 from ...ops.tracing import direct_call_allowed, is_compiling
 from ...rules.paths import EXPERTS, Path, choose_path
-from .layout import FLAGS, read_layout
+from .layout import read_layout
 
 # One C call for "no autocast anywhere" (cold, torch.is_autocast_enabled("cpu") costs 12 us more).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: autocast_dtype("cpu") is not None)

@@ -18,28 +18,34 @@ from .entries import raise_bad_entry
 from .grouping import rank_in_group
 
 
-def _check_arguments(op: str, data: torch.Tensor, data_name: str, data_dim: int, indices: torch.Tensor,
+_FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_arguments(op: str, data: torch.Tensor, data_name: str, data_dim: int, indices: Optional[torch.Tensor],
                      locations: torch.Tensor, weights: Optional[torch.Tensor], other: Optional[torch.Tensor],
                      other_shape: Tuple[int, ...]) -> None:
     """The compiled operators' argument checks (csrc/ops/op_args.cpp), with their exception types."""
     where = f"tutel::{op}"
     if data.dim() != data_dim:
         raise ValueError(f"{where}: `{data_name}` must be {data_dim}-D, got shape {tuple(data.shape)}")
-    if data.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    if data.dtype not in _FLOATING:
         raise TypeError(f"{where}: `{data_name}` must be float32, float64, bfloat16 or float16, got {data.dtype}")
-    for name, table in (("indices", indices), ("locations", locations)):
+    tables = (("locations", locations),) if indices is None else (("indices", indices), ("locations", locations))
+    for name, table in tables:
         if table.dtype != torch.int32:
             raise TypeError(f"{where}: `{name}` must have dtype torch.int32, got {table.dtype}")
         if table.device != data.device:
             raise ValueError(f"{where}: `{name}` is on {table.device} but the data is on {data.device}")
-    if indices.dim() != 2 or indices.shape != locations.shape:
+    if indices is None and locations.dim() != 2:
+        raise ValueError(f"{where}: `locations` must be 2-D, got shape {tuple(locations.shape)}")
+    if indices is not None and (indices.dim() != 2 or indices.shape != locations.shape):
         raise ValueError(f"{where}: `indices` and `locations` must have the same shape [k, tokens], got "
                          f"{tuple(indices.shape)} and {tuple(locations.shape)}")
     if weights is not None:
-        if weights.dtype != accumulation_dtype(data.dtype):
-            raise TypeError(f"{where}: `weights` must have dtype {accumulation_dtype(data.dtype)}, got {weights.dtype}")
-        if weights.shape != indices.shape or weights.device != data.device:
-            raise ValueError(f"{where}: `weights` must be a {tuple(indices.shape)} tensor on {data.device}, got "
+        if weights.dtype not in _FLOATING:
+            raise TypeError(f"{where}: `weights` must be float32, float64, bfloat16 or float16, got {weights.dtype}")
+        if weights.shape != locations.shape or weights.device != data.device:
+            raise ValueError(f"{where}: `weights` must be a {tuple(locations.shape)} tensor on {data.device}, got "
                              f"{tuple(weights.shape)} on {weights.device}")
     if other is not None:
         if other.dtype != data.dtype:
@@ -59,6 +65,17 @@ def _kept_slots(op: str, indices: torch.Tensor, locations: torch.Tensor, experts
     return kept, slot
 
 
+def _grouped_table(indices: Optional[torch.Tensor], locations: torch.Tensor) -> torch.Tensor:
+    """`indices`, or for None (the grouped layout: every choice names expert 0) a table of zeros."""
+    return torch.zeros_like(locations) if indices is None else indices
+
+
+def _weights_in(weights: Optional[torch.Tensor], acc: torch.dtype) -> Optional[torch.Tensor]:
+    """The weights (any floating dtype and strides) in the accumulation dtype, as the kernels
+    convert each one when they read it (float64 to float32 rounding to nearest)."""
+    return None if weights is None else weights.to(acc)
+
+
 def _dots_output(indices: torch.Tensor, other: Optional[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     shape = tuple(indices.shape) if other is not None else (0,)
     return torch.zeros(shape, dtype=acc, device=indices.device)
@@ -68,21 +85,23 @@ def _dot_rows(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tenso
     return (a.to(acc) * b.to(acc)).sum(-1)
 
 
-def gather_slots(rows: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor,
+def gather_slots(rows: torch.Tensor, indices: Optional[torch.Tensor], locations: torch.Tensor,
                  weights: Optional[torch.Tensor], other: Optional[torch.Tensor]
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """out[t] = sum over kept choices j of weights[j, t] * rows[indices[j, t], locations[j, t]]
     (zeros when every choice of t was dropped); dots[j, t] = <that row, other[t]> when
     `other` [T, M] is given (0 for dropped choices), else an empty tensor.
 
-    rows [E, C, M]; indices, locations [k, T] int32; weights [k, T] in the
-    accumulation dtype or None (weight 1).
+    rows [E, C, M]; indices, locations [k, T] int32 (indices None: every choice names expert 0);
+    weights [k, T] of any floating dtype and strides, or None (weight 1).
     """
     _check_arguments("gather_slots", rows, "rows", 3, indices, locations, weights, other,
-                     (indices.shape[-1], rows.shape[-1]) if rows.dim() == 3 else ())
+                     (locations.shape[-1], rows.shape[-1]) if rows.dim() == 3 else ())
+    indices = _grouped_table(indices, locations)
     experts, capacity, model_dim = rows.shape
     k, tokens = indices.shape
     acc = accumulation_dtype(rows.dtype)
+    weights = _weights_in(weights, acc)
     kept, slot = _kept_slots("gather_slots", indices, locations, experts, capacity)
     dots = _dots_output(indices, other, acc)
     out = torch.zeros((tokens, model_dim), dtype=rows.dtype, device=rows.device)
@@ -104,18 +123,20 @@ def gather_slots(rows: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
     return out, dots
 
 
-def scatter_slots(src: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor,
+def scatter_slots(src: torch.Tensor, indices: Optional[torch.Tensor], locations: torch.Tensor,
                   weights: Optional[torch.Tensor], other: Optional[torch.Tensor],
                   num_experts: int, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """out[indices[j, t], locations[j, t]] = weights[j, t] * src[t] for kept choices in a
     zeroed [E, C, M] buffer (several choices naming one slot are summed in (choice,
     token) order); dots[j, t] = <other[slot], src[t]> when `other` [E, C, M] is given.
 
-    src [T, M]; indices, locations [k, T] int32; weights [k, T] in the
-    accumulation dtype or None (weight 1).
+    src [T, M]; indices, locations [k, T] int32 (indices None: every choice names expert 0;
+    shared slots are still summed here, as on the CPU); weights [k, T] of any floating dtype and
+    strides, or None (weight 1).
     """
     _check_arguments("scatter_slots", src, "src", 2, indices, locations, weights, other,
                      (num_experts, capacity, src.shape[-1]) if src.dim() == 2 else ())
+    indices = _grouped_table(indices, locations)
     if num_experts < 1 or capacity < 0:
         raise ValueError(f"tutel::scatter_slots: num_experts must be >= 1 and capacity >= 0, got {num_experts} "
                          f"and {capacity}")
@@ -124,6 +145,7 @@ def scatter_slots(src: torch.Tensor, indices: torch.Tensor, locations: torch.Ten
                          f"{indices.shape[1]} tokens")
     tokens, model_dim = src.shape
     acc = accumulation_dtype(src.dtype)
+    weights = _weights_in(weights, acc)
     slots = num_experts * capacity
     kept, slot = _kept_slots("scatter_slots", indices, locations, num_experts, capacity)
     dots = _dots_output(indices, other, acc)
