@@ -190,13 +190,28 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     rows = torch.randn(experts, capacity, model_dim, generator=generator).to(dtype).to(device)
     indices, locations = indices.to(device), locations.to(device)
     mask = torch.randint(0, 2, (tokens, experts), generator=generator, dtype=torch.int32).to(device)
+    expert_ids = indices.t().contiguous()  # [T, k], as routed experts receive them
+    # the experts' up projection of every routed row ([T k, 2 model_dim]) and a gradient of its unit
+    gate_up = torch.randn(tokens * k, 2 * model_dim, generator=generator).to(dtype).to(device)
+    gate, up = gate_up[:, :model_dim].contiguous(), gate_up[:, model_dim:].contiguous()
+    grad = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
+    swiglu = (1.0, 0.0, None)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
         "cumsum_sub_one": lambda ops: ops.cumsum_sub_one(mask),
         "gather_slots": lambda ops: ops.gather_slots(rows, indices, locations, None, None),
         "scatter_slots": lambda ops: ops.scatter_slots(x, indices, locations, None, None, experts, capacity),
+        "group_by_expert": lambda ops: ops.group_by_expert(expert_ids, experts),
+        "gated_unit": lambda ops: ops.gated_unit(gate_up, *swiglu, False),
+        "gated_unit_backward": lambda ops: ops.gated_unit_backward(grad, gate_up, *swiglu, False),
+        "gated_unit_pair": lambda ops: ops.gated_unit_pair(gate, up, *swiglu),
+        "gated_unit_pair_backward": lambda ops: ops.gated_unit_pair_backward(grad, gate, up, *swiglu),
     }
+
+
+# Operators timed on int32 inputs only, with their label.
+_INTEGER_INPUTS = {"cumsum_sub_one": "int32 mask", "group_by_expert": "int32 ids"}
 
 
 def _elapsed_ms(call: Callable[[], object], device: torch.device) -> float:
@@ -223,8 +238,8 @@ def time_operators(report: Report, device: torch.device, reps: int) -> None:
     for dtype in dtypes:
         problem = _timing_problem(device, dtype, tokens, model_dim)
         for name in OPERATORS:
-            if name == "cumsum_sub_one" and dtype != dtypes[0]:
-                continue  # its mask is int32 whatever the data dtype
+            if name in _INTEGER_INPUTS and dtype != dtypes[0]:
+                continue  # its input is int32 whatever the data dtype
             run = problem[name]
             samples: Dict[str, List[float]] = {"compiled": [], "composite": []}
             for implementation in (torch.ops.tutel, composite):  # warm-up (compiles the kernels)
@@ -234,7 +249,7 @@ def time_operators(report: Report, device: torch.device, reps: int) -> None:
                 samples["composite"].append(_elapsed_ms(lambda: run(composite), device))
             fast, slow = statistics.median(samples["compiled"]), statistics.median(samples["composite"])
             ratio = slow / fast if fast > 0 else float("inf")
-            label = "int32 mask" if name == "cumsum_sub_one" else str(dtype).replace("torch.", "")
+            label = _INTEGER_INPUTS.get(name, str(dtype).replace("torch.", ""))
             report.line(f"{name} {label}",
                         f"{fast:9.3f} ms  composite {slow:9.3f} ms  ({ratio:.1f}x)")
 
