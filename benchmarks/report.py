@@ -662,7 +662,58 @@ the rows past the last group of each grouped product over the whole [N, O] resul
 to a separate SiLU and product where no fused gated kernel exists on CUDA.  Training at T = 2048 was
 1.2x faster than grouped_mm for Qwen3 and 1.03x for DeepSeek-V3 (0.95x Mixtral, 0.96x gpt-oss).  Since
 that run the routed experts no longer zero those rows (`grouped_rows_mm(zero_tail=False)`: nothing
-reads them); the fused gated kernel and fewer launches at small T are open (docs/design.md)."""
+reads them), and the CUDA path was rebuilt around fused kernels: the plan (`group_by_expert`), the
+gated unit and the grouped copy are NVRTC kernels, a forward call is 8 kernels at any T (2 for
+inference up to 32 tokens, `decode_experts`) and `moe_layer` on one process takes a path with no
+host synchronisation (docs/cuda-backend.md, "The paths a CUDA graph captures"); counted on fake
+CUDA tensors, not yet timed on a GPU: the table above is the run before those changes.
+
+Runs since the CUDA graph fields were added show a second table per run: *<name>_kernels*, the
+kernels one call launches (torch.profiler's events on the device after warm-up; memcpy and memset
+not counted); *<name>_graph_ms*, the time per call replayed from a captured CUDA graph (CUDA events,
+interleaved rounds like the times above), empty where the capture failed (the errors are listed
+under the table); *best_transformers_graph/tutel_graph*, transformers' fastest replayed backend over
+tutel's replay; *tutel_sync_free* and *moe_layer_sync_free*, whether a training and a decoding step
+ran under `torch.cuda.set_sync_debug_mode("error")`; *moe_layer_graph_equal*, whether moe_layer's
+replayed output equals its eager output (bit for bit, or within one bf16 rounding unit)."""
+
+GRAPH_ERROR_FIELDS = ("_graph_error", "_sync_error", "_kernels_error")
+
+
+def cuda_failures(rows: List[dict]) -> List[str]:
+    """One line per (candidate, kind of failure, error) among the rows' <name>_graph_error,
+    <name>_sync_error and <name>_kernels_error fields, with the cases it happened in: a backend that
+    cannot be captured usually fails the same way in every case."""
+    cases: Dict[tuple, List[str]] = {}
+    for row in rows:
+        for key, value in row.items():
+            suffix = next((s for s in GRAPH_ERROR_FIELDS if key.endswith(s)), None)
+            if suffix is None or value is None:
+                continue
+            where = f"{row.get('family')} {row.get('pass')} T={row.get('T')}"
+            cases.setdefault((key[:-len(suffix)], suffix[1:].replace("_", " "), str(value)), []).append(where)
+    lines = []
+    for (name, kind, error), where in cases.items():
+        shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+        lines.append(f"- {name}, {kind}: `{error}` ({shown})")
+    return lines
+
+
+def cuda_graph_table(moe: dict) -> Optional[str]:
+    """The table of the CUDA-only fields (kernels, graph replays, sync checks) of a transformers_moe_cuda
+    run, with its columns as the run lists them (`cuda_columns`), those that no row has left out;
+    None for runs from before these fields."""
+    wanted = moe.get("cuda_columns")
+    if not wanted:
+        return None
+    present = {key for row in moe["rows"] for key in row}
+    columns = [c for c in wanted if c in present]
+    text = format_table(moe["rows"], columns)
+    failures = cuda_failures(moe["rows"])
+    if failures:
+        text += ("\n\nFailed captures, synchronisations and kernel counts (first line of the error):\n\n"
+                 + "\n".join(failures))
+    return text
 
 
 def gpu_section(results: Dict[str, dict]) -> str:
@@ -678,6 +729,9 @@ def gpu_section(results: Dict[str, dict]) -> str:
                      f"torch {m['torch']}; finished {moe['finished']}.  Rates before the cases: {rates}, read "
                      f"{moe['limits']['read_gbps']:.0f} GB/s.  Command: `{command}`.\n\n"
                      + format_table(moe["rows"], columns))
+        graphs = cuda_graph_table(moe)
+        if graphs:
+            parts.append("### Kernels per call, CUDA graph replays and host synchronisation\n\n" + graphs)
     kernels = results.get("cuda_kernels")
     if kernels:
         parts.append("### tutel's CUDA kernels against a device-to-device copy\n\n"

@@ -7,8 +7,9 @@
 #   bash benchmarks/run_on_gpu.sh [DIR]
 #
 # Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++),
-# TUTEL_GPU_TEST_SECONDS (default 200), TUTEL_GPU_BENCH_SECONDS (default 170), TUTEL_GPU_FAMILIES
-# (transformers_moe --families).
+# TUTEL_GPU_TEST_SECONDS (default 200), TUTEL_GPU_BENCH_SECONDS (default 300: besides the synchronised
+# times, every case counts kernels and captures and replays CUDA graphs; transformers_moe_cuda.json keeps
+# the families finished when the limit strikes), TUTEL_GPU_FAMILIES (transformers_moe --families).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-build/gpu_run}"
@@ -57,7 +58,7 @@ TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}" "$py" -m pytest -p
 step helloworld 60 bash -c "'$py' -m tutel.examples.helloworld --device cuda --num_steps 20 \
     && '$py' -m tutel.examples.helloworld --device cuda --num_steps 20 --dtype bfloat16"
 step cuda_kernels 90 "$py" benchmarks/cuda_kernels.py --reps 20 --out "${out}/cuda_kernels.json"
-TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-170}" "$py" benchmarks/transformers_moe.py \
+TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-300}" "$py" benchmarks/transformers_moe.py \
     --device cuda --full-size --dtypes bfloat16 --families "${TUTEL_GPU_FAMILIES:-qwen3_moe,mixtral,deepseek_v3,gpt_oss}" \
     --seconds-per-case 1.5 --min-reps 5 --out "$out"
 

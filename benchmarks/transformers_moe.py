@@ -25,7 +25,25 @@ last-level cache, untimed), the cold weights of a decoding step, whatever candid
                                                    # the published layer shapes on a GPU (transformers_moe_cuda.json)
 
 On a CUDA device every timed call ends with a synchronisation, so a time is what the caller waits
-for, kernel launches included (no CUDA graphs, as transformers runs these blocks by default).
+for, kernel launches included (no CUDA graphs, as transformers runs these blocks by default).  Each
+case there also records, per candidate (transformers' backends, 'tutel', 'moe_layer'; see
+cuda_timing.py; --no-cuda-extras leaves them out, and a CPU run never pays for them):
+
+    <name>_kernels, <name>_copies   kernels launched by one call after warm-up (torch.profiler's events
+                                    on the CUDA device); memcpy and memset are not kernels, but copies
+    <name>_graph_ms                 per call replayed from a captured CUDA graph (side-stream warm-up,
+                                    static inputs, replays timed with CUDA events in interleaved rounds
+                                    as the eager times are); None when the capture failed, and then
+    <name>_graph_error              the capture error's first line
+    best_transformers_graph, best_transformers_graph/tutel_graph, best_transformers_graph/moe_layer_graph,
+    tutel_graph/limit, moe_layer_graph/limit
+    tutel_sync_free, moe_layer_sync_free (+ <name>_sync_error)
+                                    a training step (forward + backward) and a decoding step (no-grad
+                                    forward) ran under torch.cuda.set_sync_debug_mode("error") without
+                                    synchronising the host
+    moe_layer_graph_equal, moe_layer_graph_bitwise, moe_layer_graph_vs_eager
+                                    the no-grad forward replayed from a graph against the eager call:
+                                    equal bit for bit, or within one rounding unit of the dtype
 """
 import sys
 import time
@@ -37,6 +55,7 @@ from _common import format_table, interleaved_medians, load_average, parse_args,
 from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, case_inputs, experts_call, experts_flops_per_choice,
                         experts_weight_bytes, moe_layer_like, tutel_backend_name)
 from _limits import LimitProbes, cache_reset, measure_limits, synchronized
+from cuda_timing import first_line, interleaved_event_medians, kernels_per_call, outputs_match, sync_free, try_capture
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
 FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
@@ -59,6 +78,15 @@ def _layer_call(layer, x, train: bool, grad) -> Callable[[], None]:
         else:
             with torch.no_grad():
                 layer(x, capacity_factor=0.0, megablocks_size=1)
+    return run
+
+
+def _layer_forward(layer, x) -> Callable[[], torch.Tensor]:
+    """moe_layer's no-grad forward (dropless), returning its output: the call whose graph replay is
+    compared with the eager one."""
+    def run():
+        with torch.no_grad():
+            return layer(x, capacity_factor=0.0, megablocks_size=1)
     return run
 
 
@@ -95,7 +123,10 @@ def _relative_error_to_eager(block, ours: str, x, indices, weights) -> float:
 
 
 def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: bool, smoke: bool,
-                 max_reps: int, min_reps: int = 1, seconds: float = SECONDS_PER_CASE) -> Dict[str, object]:
+                 max_reps: int, min_reps: int = 1, seconds: float = SECONDS_PER_CASE,
+                 cuda_extras: bool = True) -> Dict[str, object]:
+    """One case's row: every candidate's median time (interleaved rounds), the limits measured among
+    them, the ratios, and on a CUDA device (unless `cuda_extras` is False) cuda_case_fields."""
     dtype = DTYPES[dtype_name]
     device = block.experts.down_proj.device
     x, indices, weights, grad = case_inputs(block, tokens, train)
@@ -104,11 +135,11 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
     gathered = tokens * k * sum(p[0].numel() * p.element_size() for p in block.experts.parameters())
     backends = [b for b in TRANSFORMERS_BACKENDS if b != "batched_mm" or gathered * (3 if train else 1)
                 <= BATCHED_MM_MAX_BYTES]
-    candidates = {b: experts_call(block, b, x, indices, weights, train, grad) for b in backends}
-    candidates["tutel"] = experts_call(block, ours, x, indices, weights, train, grad)
+    calls = {b: experts_call(block, b, x, indices, weights, train, grad) for b in backends}
+    calls["tutel"] = experts_call(block, ours, x, indices, weights, train, grad)
     if layer is not None:
-        candidates["moe_layer"] = _layer_call(layer, x, train, grad)
-    candidates = {name: synchronized(fn, device) for name, fn in candidates.items()}
+        calls["moe_layer"] = _layer_call(layer, x, train, grad)
+    candidates = {name: synchronized(fn, device) for name, fn in calls.items()}
     probes = LimitProbes(dtype, smoke, device)
     candidates.update(probes.candidates())
     reps = max_reps if max_reps <= 1 else _reps_for(candidates, max_reps, min(min_reps, max_reps), seconds)
@@ -142,15 +173,147 @@ def measure_case(block, layer, ours: str, dtype_name: str, tokens: int, train: b
             row["block_ms"] = pair_times["block"] * 1e3
             row["best_block/moe_layer"] = pair_times["block"] / pair_times["moe_layer"]
     row["tutel_vs_eager"] = error
+    if device.type == "cuda" and cuda_extras:
+        row.update(cuda_case_fields(block, layer, ours, calls, backends, (x, indices, weights, grad), reps,
+                                    row["limit_ms"]))
     row["foreign_cpus"] = times.foreign_cpus
     row["pass"] = row.pop("pass_")
     return row
+
+
+def kernel_fields(calls: Dict[str, Callable[[], object]],
+                  count: Optional[Callable[[Callable[[], object]], Dict[str, float]]] = None) -> Dict[str, object]:
+    """<name>_kernels and <name>_copies (memcpy + memset) per call of every candidate, counted by
+    `count` (default cuda_timing.kernels_per_call); where counting fails, <name>_kernels is None and
+    <name>_kernels_error holds the error's first line."""
+    count = count or kernels_per_call
+    fields: Dict[str, object] = {}
+    for name, fn in calls.items():
+        try:
+            counts = count(fn)
+        except Exception as error:  # noqa: BLE001 -- a profiler failure costs one number, not the run
+            fields[f"{name}_kernels"] = None
+            fields[f"{name}_kernels_error"] = first_line(error)
+            continue
+        fields[f"{name}_kernels"] = counts["kernels"]
+        fields[f"{name}_copies"] = counts["memcpy"] + counts["memset"]
+    return fields
+
+
+def graph_ratios(fields: Dict[str, object], backends: Sequence[str], limit_ms: float) -> Dict[str, object]:
+    """From the <name>_graph_ms in `fields`: the fastest of transformers' `backends` under graph
+    replay and its ratios to tutel's and moe_layer's replays, and theirs to the case's limit.
+    A ratio whose operand did not capture is None (so is the best backend when none captured)."""
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return a / b if a is not None and b else None
+
+    captured = [b for b in backends if fields.get(f"{b}_graph_ms") is not None]
+    best = min(captured, key=lambda b: fields[f"{b}_graph_ms"]) if captured else None
+    best_ms = fields[f"{best}_graph_ms"] if best is not None else None
+    out: Dict[str, object] = {"best_transformers_graph": best}
+    for ours in ("tutel", "moe_layer"):
+        if f"{ours}_graph_ms" not in fields:
+            continue
+        ours_ms = fields[f"{ours}_graph_ms"]
+        out[f"best_transformers_graph/{ours}_graph"] = ratio(best_ms, ours_ms)
+        out[f"{ours}_graph/limit"] = ratio(ours_ms, limit_ms)
+    return out
+
+
+def graph_fields(calls: Dict[str, Callable[[], object]], backends: Sequence[str], reps: int,
+                 limit_ms: float) -> Dict[str, object]:
+    """<name>_graph_ms of every candidate: each captured into its own CUDA graph (cuda_timing.try_capture),
+    the replays of those that captured timed in `reps` interleaved rounds (CUDA events), then the
+    graphs freed; a candidate that did not capture gets None and <name>_graph_error.  Plus graph_ratios."""
+    fields: Dict[str, object] = {}
+    graphs, replays = {}, {}
+    for name, fn in calls.items():
+        captured, error = try_capture(fn)
+        if captured is None:
+            fields[f"{name}_graph_ms"] = None
+            fields[f"{name}_graph_error"] = error
+        else:
+            graphs[name] = captured.graph
+    if graphs:
+        replays = {name: graph.replay for name, graph in graphs.items()}
+        fields.update((f"{name}_graph_ms", ms) for name, ms in interleaved_event_medians(replays, reps).items())
+    del graphs, replays  # their private memory pools go back before the next case
+    torch.cuda.empty_cache()
+    fields.update(graph_ratios(fields, backends, limit_ms))
+    return fields
+
+
+def sync_fields(steps: Dict[str, Dict[str, Callable[[], object]]]) -> Dict[str, object]:
+    """<name>_sync_free for each candidate's {step name: call} (cuda_timing.sync_free), and
+    <name>_sync_error (the first synchronising step and its error) where it is False."""
+    fields: Dict[str, object] = {}
+    for name, named_steps in steps.items():
+        free, error = sync_free(named_steps)
+        torch.cuda.synchronize()  # a step stopped by the check may have left work queued
+        fields[f"{name}_sync_free"] = free
+        if error is not None:
+            fields[f"{name}_sync_error"] = error
+    return fields
+
+
+def training_and_decoding_steps(block, layer, ours: str, x, indices, weights, grad) -> Dict[str, Dict[str, Callable]]:
+    """For tutel's experts and moe_layer (dropless): a training step (forward and backward, on a copy
+    of `x` that requires grad) and a decoding step (no-grad forward), whatever the case's own pass."""
+    x_train, x_decode = x.detach().clone().requires_grad_(True), x.detach()
+    steps = {"tutel": {"fwd+bwd": experts_call(block, ours, x_train, indices, weights, True, grad),
+                       "fwd": experts_call(block, ours, x_decode, indices, weights, False, grad)}}
+    if layer is not None:
+        steps["moe_layer"] = {"fwd+bwd": _layer_call(layer, x_train, True, grad),
+                              "fwd": _layer_call(layer, x_decode, False, grad)}
+    return steps
+
+
+def graph_equality_fields(forward: Callable[[], torch.Tensor], prefix: str = "moe_layer") -> Dict[str, object]:
+    """<prefix>_graph_equal / _bitwise / _vs_eager: `forward`'s output replayed from a CUDA graph
+    against an eager call's (cuda_timing.outputs_match).  The graph's output is poisoned (NaN) before
+    the replay, so an element the replay leaves unwritten cannot pass.  None where the capture failed
+    (graph_fields records why)."""
+    eager = forward().clone()
+    captured, _ = try_capture(forward)
+    if captured is None:
+        return {f"{prefix}_graph_equal": None}
+    captured.output.fill_(float("nan"))
+    captured.graph.replay()
+    torch.cuda.synchronize()
+    match = outputs_match(eager, captured.output)
+    del captured
+    torch.cuda.empty_cache()
+    return {f"{prefix}_graph_equal": match["equal"], f"{prefix}_graph_bitwise": match["bitwise"],
+            f"{prefix}_graph_vs_eager": match["relative"]}
+
+
+def cuda_case_fields(block, layer, ours: str, calls: Dict[str, Callable[[], object]], backends: Sequence[str],
+                     inputs: tuple, reps: int, limit_ms: float) -> Dict[str, object]:
+    """The CUDA-only fields of a case (see the module's docstring), in an order that keeps each
+    measurement clear of the others' leftovers: kernel counts, sync checks, graph replays (every
+    capture freed after), moe_layer's graph against its eager output."""
+    x, indices, weights, grad = inputs
+    fields = kernel_fields(calls)
+    fields.update(sync_fields(training_and_decoding_steps(block, layer, ours, x, indices, weights, grad)))
+    fields.update(graph_fields(calls, backends, reps, limit_ms))
+    if layer is not None:
+        fields.update(graph_equality_fields(_layer_forward(layer, x.detach())))
+    return fields
 
 
 COLUMNS = ["family", "dtype", "pass", "T", "active_experts", "eager_ms", "grouped_mm_ms", "batched_mm_ms", "tutel_ms",
            "moe_layer_ms", "limit_ms", "tutel/limit", "best_transformers", "best_transformers/tutel",
            "moe_layer/limit", "best_transformers/moe_layer", "block_ms", "best_block/moe_layer", "tutel_vs_eager",
            "gemm_gflops", "read_gbps", "foreign_cpus"]
+# The CUDA-only fields (cuda_case_fields) shown in a table of their own: the main one is wide already.
+CUDA_COLUMNS = (["family", "dtype", "pass", "T"]
+                + [f"{name}_kernels" for name in TRANSFORMERS_BACKENDS + ("tutel", "moe_layer")]
+                + [f"{name}_graph_ms" for name in TRANSFORMERS_BACKENDS + ("tutel", "moe_layer")]
+                + ["limit_ms", "best_transformers_graph", "best_transformers_graph/tutel_graph", "tutel_graph/limit",
+                   "best_transformers_graph/moe_layer_graph", "tutel_sync_free", "moe_layer_sync_free",
+                   "moe_layer_graph_equal"])
+KERNEL_COUNT_NOTE = ("<name>_kernels: kernel events on the CUDA device in torch.profiler for one call after "
+                     "warm-up, memcpy and memset excluded (those are <name>_copies)")
 
 
 def lscpu_model() -> Optional[str]:
@@ -197,6 +360,9 @@ def _own_options(argv: Optional[Sequence[str]]):
                         help="the published models' layer shapes (_hf_blocks.FULL_SIZES) instead of the scaled ones")
     parser.add_argument("--seconds-per-case", type=float, default=SECONDS_PER_CASE,
                         help="repetitions of a case are cut to about this much time")
+    parser.add_argument("--no-cuda-extras", action="store_true",
+                        help="on a CUDA device, only the synchronised times: no kernel counts, CUDA graph "
+                             "replays or synchronisation checks (see the module's docstring)")
     parser.add_argument("--min-reps", type=int, default=1,
                         help="repetitions of every case at least (cases are otherwise cut to about "
                              f"{SECONDS_PER_CASE:.0f} s, down to one repetition)")
@@ -229,6 +395,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                            for name in families}, "reps": args.reps, "device": own.device,
               "device_name": torch.cuda.get_device_name(own.device) if on_gpu else None,
               "command": " ".join(["python benchmarks/transformers_moe.py"] + given)}
+    cuda_extras = on_gpu and not own.no_cuda_extras
+    if cuda_extras:
+        result.update(cuda_columns=CUDA_COLUMNS, kernel_count_note=KERNEL_COUNT_NOTE)
     for dtype_name, dtype in dtypes.items():
         for family in families:
             block = build_block(family, dtype, args.smoke, device=own.device, full_size=own.full_size)
@@ -240,9 +409,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                 cases = [(t, train) for t, train in cases if not train]
             for tokens, train in cases:
                 row = measure_case(block, layer, ours, dtype_name, tokens, train, args.smoke, args.reps,
-                                   own.min_reps, own.seconds_per_case)
+                                   own.min_reps, own.seconds_per_case, cuda_extras)
                 rows.append(row)
                 print(format_table([row], COLUMNS), flush=True)
+                if cuda_extras:
+                    print(format_table([row], CUDA_COLUMNS), flush=True)
             del block, layer
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -250,6 +421,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     result["limits_after"] = measure_limits(list(dtypes.values()), args.smoke, own.device)
     write_result(args.out, own.result_name, result, args.smoke)
     print(format_table(rows, COLUMNS))
+    if cuda_extras:
+        print(format_table(rows, CUDA_COLUMNS))
     return result
 
 

@@ -10,49 +10,13 @@
 #include "../../core/gated_units.h"
 #include "../checks.h"
 #include "../core_types.h"
+#include "../gated_unit_args.h"
 #include "gated_units_cpu.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
 namespace ops {
 namespace {
-
-// The unit's parameters, checked: limit None clamps nothing.
-core::GatedUnit make_unit(double alpha, double up_offset, const c10::optional<double>& limit, bool interleaved,
-                          const char* op) {
-  TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(up_offset), "tutel::", op,
-                    ": `alpha` and `up_offset` must be finite, got ", alpha, " and ", up_offset);
-  TORCH_CHECK_VALUE(!limit.has_value() || (std::isfinite(*limit) && *limit > 0), "tutel::", op,
-                    ": `limit` must be None or a finite number > 0, got ", limit.value_or(0));
-  return core::GatedUnit{alpha, up_offset, limit.has_value(), limit.value_or(0), interleaved};
-}
-
-// gate_up checked: [n, 2I] floating point, as rows the kernels read (rows_with_unit_stride).
-at::Tensor gate_up_rows(const at::Tensor& gate_up, const char* op) {
-  check_dim(gate_up, 2, op, "gate_up");
-  check_floating(gate_up, op, "gate_up");
-  TORCH_CHECK_VALUE(gate_up.size(1) % 2 == 0, "tutel::", op, ": `gate_up` must have an even number of columns ",
-                    "(gate and up values), got ", gate_up.size(1));
-  return rows_with_unit_stride(gate_up);
-}
-
-// gates and ups ([n, I] each), checked: same shape, dtype and device, as rows the kernels read.
-std::pair<at::Tensor, at::Tensor> pair_rows(const at::Tensor& gate, const at::Tensor& up, const char* op) {
-  check_dim(gate, 2, op, "gate");
-  check_floating(gate, op, "gate");
-  check_dtype(up, gate.scalar_type(), op, "up");
-  check_same_device(gate, up, op, "up");
-  TORCH_CHECK_VALUE(up.sizes() == gate.sizes(), "tutel::", op, ": `up` must have the shape of `gate` ",
-                    gate.sizes(), ", got ", up.sizes());
-  return {rows_with_unit_stride(gate), rows_with_unit_stride(up)};
-}
-
-void check_grad(const at::Tensor& grad, const at::Tensor& like, int64_t width, const char* op) {
-  check_dtype(grad, like.scalar_type(), op, "grad");
-  check_same_device(like, grad, op, "grad");
-  TORCH_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == like.size(0) && grad.size(1) == width, "tutel::", op,
-                    ": `grad` must have shape [", like.size(0), ", ", width, "], got ", grad.sizes());
-}
 
 template <class T>
 using CoreRows = core::GatedRows<core_t<T>>;
@@ -82,8 +46,8 @@ CoreRows<T> separate_rows(const at::Tensor& gate, const at::Tensor& up, const at
 at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_offset, c10::optional<double> limit,
                           bool interleaved) {
   const char* op = "gated_unit";
-  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, interleaved, op);
-  const at::Tensor gate_up = gate_up_rows(gate_up_in, op);
+  const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
+  const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
   at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit", [&] {
     core::gated_forward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, at::Tensor(), out, none));
@@ -96,10 +60,9 @@ namespace {
 at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_up_in, double alpha,
                                    double up_offset, c10::optional<double> limit, bool interleaved) {
   const char* op = "gated_unit_backward";
-  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, interleaved, op);
-  const at::Tensor gate_up = gate_up_rows(gate_up_in, op);
-  check_grad(grad_in, gate_up, gate_up.size(1) / 2, op);
-  const at::Tensor grad = rows_with_unit_stride(grad_in);
+  const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
+  const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
+  const at::Tensor grad = checked_unit_grad(grad_in, gate_up, gate_up.size(1) / 2, op);
   at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1)}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit_backward", [&] {
     core::gated_backward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, grad, none, out));
@@ -112,9 +75,9 @@ at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& 
 at::Tensor gated_unit_pair_cpu(const at::Tensor& gate_in, const at::Tensor& up_in, double alpha, double up_offset,
                                c10::optional<double> limit) {
   const char* op = "gated_unit_pair";
-  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
+  const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, false, op);
   // Named references, not structured bindings: lambdas capture those only from C++20.
-  const std::pair<at::Tensor, at::Tensor> rows = pair_rows(gate_in, up_in, op);
+  const std::pair<at::Tensor, at::Tensor> rows = checked_gate_and_up(gate_in, up_in, op);
   const at::Tensor &gate = rows.first, &up = rows.second;
   at::Tensor out = empty_reusable(gate.sizes(), gate.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_unit_pair", [&] {
@@ -129,11 +92,10 @@ std::tuple<at::Tensor, at::Tensor> gated_unit_pair_backward_cpu(const at::Tensor
                                                                 const at::Tensor& up_in, double alpha,
                                                                 double up_offset, c10::optional<double> limit) {
   const char* op = "gated_unit_pair_backward";
-  const core::GatedUnit unit = make_unit(alpha, up_offset, limit, false, op);
-  const std::pair<at::Tensor, at::Tensor> rows = pair_rows(gate_in, up_in, op);
+  const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, false, op);
+  const std::pair<at::Tensor, at::Tensor> rows = checked_gate_and_up(gate_in, up_in, op);
   const at::Tensor &gate = rows.first, &up = rows.second;
-  check_grad(grad_in, gate, gate.size(1), op);
-  const at::Tensor grad = rows_with_unit_stride(grad_in);
+  const at::Tensor grad = checked_unit_grad(grad_in, gate, gate.size(1), op);
   at::Tensor d_gate = empty_reusable(gate.sizes(), gate.options());
   at::Tensor d_up = empty_reusable(gate.sizes(), gate.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_unit_pair_backward", [&] {

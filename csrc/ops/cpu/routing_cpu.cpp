@@ -12,6 +12,7 @@
 
 #include "../../core/routing.h"
 #include "../core_types.h"
+#include "../group_by_expert_args.h"
 #include "../op_args.h"
 #include "routing_cpu.h"
 
@@ -87,25 +88,17 @@ void group_by_expert_into(const at::Tensor& expert_ids, int64_t experts, int32_t
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(const at::Tensor& expert_ids,
-                                                                                     int64_t experts) {
-  const char* op = "group_by_expert";
-  TORCH_CHECK_VALUE(expert_ids.dim() == 2, "tutel::", op, ": `expert_ids` must be [T, k], got ", expert_ids.dim(),
-                    " dims");
-  TORCH_CHECK_TYPE(at::isIntegralType(expert_ids.scalar_type(), /*includeBool=*/false), "tutel::", op,
-                   ": `expert_ids` must hold integers, got ", expert_ids.scalar_type());
-  TORCH_CHECK_VALUE(experts >= 1, "tutel::", op, ": `num_experts` must be >= 1, got ", experts);
-  const int64_t tokens = expert_ids.size(0), k = expert_ids.size(1);
-  TORCH_CHECK_VALUE(tokens * k < (int64_t(1) << 31) && experts < (int64_t(1) << 31), "tutel::", op,
-                    ": at most 2^31 - 1 choices and experts (int32 locations), got ", tokens * k, " choices and ",
-                    experts, " experts");
-  const auto options = expert_ids.options();
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cpu(
+    const at::Tensor& expert_ids_in, int64_t experts) {
+  const at::Tensor ids = checked_group_by_expert_ids(expert_ids_in, experts);
+  const int64_t tokens = ids.size(0), k = ids.size(1);
+  const auto options = ids.options();
   at::Tensor locations = at::empty({k, tokens}, options.dtype(at::kInt));
   at::Tensor slot_choices = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor sorted_ids = at::empty({tokens * k}, options.dtype(at::kLong));
   at::Tensor counts = at::empty({experts}, options.dtype(at::kLong));
   at::Tensor ends = at::empty({experts}, options.dtype(at::kInt));
-  group_by_expert_into(expert_ids, experts, locations.data_ptr<int32_t>(), slot_choices.data_ptr<int64_t>(),
+  group_by_expert_into(ids, experts, locations.data_ptr<int32_t>(), slot_choices.data_ptr<int64_t>(),
                        sorted_ids.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), ends.data_ptr<int32_t>());
   return {locations, slot_choices, sorted_ids, counts, ends};
 }
