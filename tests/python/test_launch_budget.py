@@ -4,8 +4,9 @@ Traced on fake CUDA tensors (tests/python/launch_count.py): a host synchronisati
 data-dependent shape raises there, exactly what would break CUDA-graph capture, and the
 operators the call dispatches (weighted by their CUDA launches) are counted.  The budgets are the
 project's: routed experts at most 8 kernels per forward call at any token count, moe_layer at most
-12 including its routing and loss, backward at most twice its forward.  The layers are shaped like the published models' (sizes cost nothing on fake
-tensors); the CPU-only PyTorch of CI takes the CUDA build's path through the operators' fake kernels.
+12 including its routing and loss, backward at most twice its forward.  The layers are shaped like
+the published models' (sizes cost nothing on fake tensors); the CPU-only PyTorch of CI takes the
+CUDA build's path through the operators' fake kernels.
 """
 from typing import NamedTuple
 

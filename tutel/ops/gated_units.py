@@ -17,7 +17,8 @@ kernel launch each on CUDA, kernels/gated_units.cu); composed from
 PyTorch operators they are five to twelve passes over [n, I] temporaries (gpt-oss' backward
 also fills two [n, 2I] buffers with zeros for its strided halves), which cost a fifth of a
 gpt-oss training step at 2048 tokens (benchmarks/transformers_moe.py).  Other devices (and CUDA
-with TUTEL_CUDA_BACKEND=composite) run the composition of PyTorch operators, which is also the reference the tests hold the operator to.
+with TUTEL_CUDA_BACKEND=composite) run the composition of PyTorch operators, which is also the
+reference the tests hold the operator to.
 """
 import math
 from typing import NamedTuple, Optional

@@ -110,7 +110,8 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
 
 def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
               need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True,
-              row_experts: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+              row_experts: Optional[torch.Tensor] = None
+              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
     right = _right(weight, transposed)
     if _use_grouped_mm(grad, right) and grouped_mm_supports(rows, right):
