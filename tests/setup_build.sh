@@ -10,37 +10,7 @@ PYTHON="${PYTHON:-python3}"
 # The PyTorch to install when none is present (a CPU build on the project's machines).
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
-as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-
-# install_pinned NAME==VERSION...: pip-installs those whose installed version is not the pinned one.
-install_pinned() {
-  local wrong
-  mapfile -t wrong < <("$PYTHON" - "$@" <<'EOF'
-import sys
-from importlib import metadata
-for spec in sys.argv[1:]:
-    name, wanted = spec.split("==")
-    try:
-        found = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        found = None
-    if found != wanted:
-        print(spec)
-EOF
-)
-  if [ "${#wrong[@]}" -gt 0 ]; then
-    echo "== installing ${wrong[*]} =="
-    "$PYTHON" -m pip install -q "${wrong[@]}"
-  fi
-}
-
-# install_apt PACKAGE...: apt-installs the given Debian packages (callers pass only missing ones).
-install_apt() {
-  [ "$#" -gt 0 ] || return 0
-  echo "== installing $* (apt) =="
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
-}
+source tests/install_tools.sh  # install_pinned, install_apt
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   echo "== installing ${TORCH_SPEC} =="
@@ -48,6 +18,17 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 install_pinned ninja==1.13.2 numpy==2.4.6 scikit-learn==1.9.1 matplotlib==3.11.2
 command -v g++ >/dev/null || install_apt g++
+# Where ccache is installed (tests/setup_env.sh installs it) the build goes through it, its compiler
+# links first on PATH: a rebuild of unchanged sources, and the build of a copy of the checkout at
+# the same depth below its CCACHE_BASEDIR (the editable-install test), come from its cache.
+if command -v ccache >/dev/null; then
+  for ccache_links in /usr/lib/ccache /usr/lib64/ccache /usr/local/lib/ccache; do
+    if [ -x "${ccache_links}/c++" ]; then export PATH="${ccache_links}:${PATH}"; break; fi
+  done
+  # Python's compile flags carry -g, with which ccache keys objects by the build directory as well;
+  # the paths inside CCACHE_BASEDIR (set per build) are made relative instead.
+  export CCACHE_NOHASHDIR=1
+fi
 
 # The extension is rebuilt whenever what it is built from changed: the C++ and kernel sources,
 # setup.py, or the PyTorch it compiles against (a fingerprint of them sits beside the build).
@@ -68,7 +49,8 @@ stamp=build/tutel_extension.fingerprint
 if ! ls tutel/_C*.so >/dev/null 2>&1 || [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
   echo "== building the tutel extension in place =="
   rm -f "$stamp"
-  if ! "$PYTHON" setup.py -q build_ext --inplace --force >build/tutel_extension_build.log 2>&1; then
+  if ! CCACHE_BASEDIR="$(pwd)" "$PYTHON" setup.py -q build_ext --inplace --force \
+       >build/tutel_extension_build.log 2>&1; then
     tail -n 60 build/tutel_extension_build.log >&2
     echo "!! the tutel extension failed to build (full log: build/tutel_extension_build.log)" >&2
     exit 1

@@ -1,6 +1,10 @@
 # Sourced by the test scripts: everything the tests need on a fresh machine.  First what building
 # tutel and its demo need (tests/setup_build.sh: PyTorch, compiler, the demo's packages, the
 # extension), then the test tools, each Python package at a pinned version.
+source tests/install_tools.sh
+# ccache before the build, so that the build fills its cache: the editable-install test's build of a
+# copy of the checkout then takes its objects from there instead of compiling them all again.
+command -v ccache >/dev/null || install_apt ccache
 source tests/setup_build.sh
 
 # Exact versions, so every machine tests with the same tools (none of them is built against):

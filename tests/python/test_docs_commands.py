@@ -255,13 +255,18 @@ def test_pip_install_builds_an_importable_package(tmp_path):
 
 def test_editable_install_imports_from_the_source_tree(tmp_path):
     """`pip install -e .` (README's install notes), from a copy of the checkout's files so that the
-    build cannot touch the extension this test process has loaded."""
+    build cannot touch the extension this test process has loaded.  Where the checkout's build went
+    through ccache (tests/setup_build.sh), the copy's compiles come from its cache: pip's temporary
+    build directory is put at the depth of the checkout's (source/build/tmp*), and the paths inside
+    the copy are made relative to it (CCACHE_BASEDIR), so the compiler commands hash alike."""
     pytest.importorskip("pip")
     source, prefix = tmp_path / "source", tmp_path / "prefix"
     _copy_checkout(source)
+    (source / "build").mkdir(exist_ok=True)
+    env = {**os.environ, "CCACHE_BASEDIR": str(source), "TMPDIR": str(source / "build")}
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                               "--prefix", str(prefix), "-e", "."], capture_output=True, text=True, cwd=source,
-                             timeout=900)
+                             timeout=900, env=env)
     assert install.returncode == 0, install.stderr[-4000:]
     (site_packages,) = glob.glob(str(prefix / "lib" / "python*" / "site-packages"))
     check = subprocess.run([sys.executable, "-c", "import site, sys; site.addsitedir(sys.argv[1]); import torch, tutel; "
