@@ -5,6 +5,7 @@ nvidia-cuda-nvrtc wheel or a CUDA toolkit), not a GPU."""
 import glob
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -47,14 +48,22 @@ def nvrtc():
 
 @pytest.fixture(scope="module")
 def cubins(nvrtc):
-    """{(program, variant, arch): cubin} for the whole matrix (compiled once)."""
+    """{(program, variant, arch): cubin} for the whole matrix (compiled once, two programs at a time:
+    ctypes lets go of the GIL during each NVRTC call, and separate programs compile independently)."""
     programs, headers = kernel_files()
-    images = {}
-    for name, variant, arch in compile_cases():
+
+    def build(case):
+        name, variant, arch = case
         options = common_options() + [f"--gpu-architecture=sm_{arch}"]
         if variant:
             options.append(f"-D{variant}")
-        ok, log, cubin = nvrtc.compile(programs[name], name, headers, options)
+        return nvrtc.compile(programs[name], name, headers, options)
+
+    cases = compile_cases()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(build, cases))
+    images = {}
+    for (name, variant, arch), (ok, log, cubin) in zip(cases, results):
         assert ok, f"{name} [{variant}] for sm_{arch} failed to compile:\n{log}"
         assert "warning" not in log.lower(), f"{name} [{variant}] sm_{arch}:\n{log}"
         images[name, variant, arch] = cubin
