@@ -13,6 +13,11 @@
 // the accumulation type with the operations of csrc/core's portable kernels in their order: in
 // the kernels-on-CPU build the results are theirs bit for bit; on a GPU they differ by the
 // exponential's ulps before the rounding to the storage type.
+//
+// With a per-expert bias (rows grouped by expert, TutelGatedOperands' expert_ends), g and u are
+// gate + gate bias and up + up bias of the row's expert, added in the accumulation type (no
+// rounding to the storage type in between) before the clamp, as the core kernels add them; each
+// thread finds its row's expert by a binary search of the ends, so the call stays one launch.
 #include "tutel_device.cuh"
 
 __device__ __forceinline__ float unit_exp(float x) { return expf(x); }
@@ -25,6 +30,17 @@ __device__ __forceinline__ bool unit_of_thread(const TutelGatedOperands& p, i64&
   row = flat / p.width;
   i = flat - row * p.width;
   return true;
+}
+
+// g and u of unit i of `row`, the expert's bias added when the rows have one.
+__device__ __forceinline__ void load_unit(const TutelGatedOperands& p, i64 row, i64 i, acc_t& g, acc_t& u) {
+  g = to_acc(static_cast<const storage_t*>(p.gate)[row * p.gate_stride + p.step * i]);
+  u = to_acc(static_cast<const storage_t*>(p.up)[row * p.up_stride + p.step * i]);
+  if (p.expert_ends == 0) return;
+  const i64 expert = expert_of_grouped_row(p.expert_ends, p.experts, row);
+  if (expert >= p.experts) return;  // past the last expert's rows: no bias
+  g += to_acc(static_cast<const storage_t*>(p.gate_bias)[expert * p.bias_stride + p.step * i]);
+  u += to_acc(static_cast<const storage_t*>(p.up_bias)[expert * p.bias_stride + p.step * i]);
 }
 
 // g' = min(g, limit) and u' = clamp(u, -limit, limit) when the unit clamps; NaN stays NaN, as
@@ -45,8 +61,8 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
     gated_unit_forward(TutelGatedOperands p, storage_t* out, i64 out_stride, TutelGatedUnit unit) {
   i64 row, i;
   if (!unit_of_thread(p, row, i)) return;
-  acc_t g = to_acc(static_cast<const storage_t*>(p.gate)[row * p.gate_stride + p.step * i]);
-  acc_t u = to_acc(static_cast<const storage_t*>(p.up)[row * p.up_stride + p.step * i]);
+  acc_t g, u;
+  load_unit(p, row, i, g, u);
   clamp_unit(unit, g, u);
   const acc_t s = acc_t(1) / (acc_t(1) + unit_exp(-acc_t(unit.alpha) * g));
   out[row * out_stride + i] = from_acc((u + acc_t(unit.up_offset)) * (g * s));
@@ -59,8 +75,8 @@ extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS)
                         i64 d_gate_stride, storage_t* d_up, i64 d_up_stride, TutelGatedUnit unit) {
   i64 row, i;
   if (!unit_of_thread(p, row, i)) return;
-  const acc_t g_in = to_acc(static_cast<const storage_t*>(p.gate)[row * p.gate_stride + p.step * i]);
-  const acc_t u_in = to_acc(static_cast<const storage_t*>(p.up)[row * p.up_stride + p.step * i]);
+  acc_t g_in, u_in;
+  load_unit(p, row, i, g_in, u_in);
   acc_t g = g_in, u = u_in;
   clamp_unit(unit, g, u);
   const acc_t limit = acc_t(unit.limit), alpha = acc_t(unit.alpha);

@@ -73,7 +73,10 @@ struct TutelErrorSink {
 
 /* gated_units.cu: where the gates and ups of row r lie (unit i at r * stride + step * i; step 2
  * for gpt-oss' interleaved layout, where both point into one row), and the unit's parameters
- * (csrc/core/gated_units.h's GatedUnit; clamped 0 ignores limit). */
+ * (csrc/core/gated_units.h's GatedUnit; clamped 0 ignores limit).  The per-expert bias of rows
+ * grouped by expert: expert e's gate and up bias of unit i at gate_bias / up_bias
+ * [e * bias_stride + step * i], row r's expert the first e with expert_ends[e] > r (none past
+ * the last expert's rows); expert_ends == 0: no bias. */
 struct TutelGatedOperands {
   const void* gate;
   long long gate_stride;
@@ -82,6 +85,11 @@ struct TutelGatedOperands {
   long long step;
   long long rows;
   long long width; /* I */
+  const void* gate_bias;
+  const void* up_bias;
+  long long bias_stride;
+  const int* expert_ends;
+  long long experts;
 };
 struct TutelGatedUnit {
   double alpha;

@@ -35,9 +35,16 @@ void portable_forward_units(const GatedUnit& unit, const GatedRows<T>& p, int64_
   const T* gate = p.gate + row * p.gate_stride;
   const T* up = p.up + row * p.up_stride;
   T* out = p.out + row * p.out_stride;
+  const T *gate_bias = nullptr, *up_bias = nullptr;
+  const bool biased = bias_of_row(p, row, &gate_bias, &up_bias);
   for (int64_t i = unit_begin; i < p.width; ++i) {
-    const A g = clamp_gate(unit, Scalar<T>::load(gate[step * i]));
-    const A u = clamp_up(unit, Scalar<T>::load(up[step * i]));
+    A g_in = Scalar<T>::load(gate[step * i]), u_in = Scalar<T>::load(up[step * i]);
+    if (biased) {  // in the accumulation type: no rounding to T in between
+      g_in += Scalar<T>::load(gate_bias[step * i]);
+      u_in += Scalar<T>::load(up_bias[step * i]);
+    }
+    const A g = clamp_gate(unit, g_in);
+    const A u = clamp_up(unit, u_in);
     const A s = A(1) / (A(1) + std::exp(-A(unit.alpha) * g));
     out[i] = Scalar<T>::store((u + A(unit.up_offset)) * (g * s));
   }
@@ -53,9 +60,14 @@ void portable_backward_units(const GatedUnit& unit, const GatedRows<T>& p, int64
   const T* grad = p.grad + row * p.grad_stride;
   T* out_gate = p.out + row * p.out_stride;
   T* out_up = p.out_up + row * p.out_up_stride;
+  const T *gate_bias = nullptr, *up_bias = nullptr;
+  const bool biased = bias_of_row(p, row, &gate_bias, &up_bias);
   for (int64_t i = unit_begin; i < p.width; ++i) {
-    const A g_in = Scalar<T>::load(gate[step * i]);
-    const A u_in = Scalar<T>::load(up[step * i]);
+    A g_in = Scalar<T>::load(gate[step * i]), u_in = Scalar<T>::load(up[step * i]);
+    if (biased) {
+      g_in += Scalar<T>::load(gate_bias[step * i]);
+      u_in += Scalar<T>::load(up_bias[step * i]);
+    }
     const A g = clamp_gate(unit, g_in), u = clamp_up(unit, u_in);
     const A dh = Scalar<T>::load(grad[i]);
     const A s = A(1) / (A(1) + std::exp(-alpha * g));

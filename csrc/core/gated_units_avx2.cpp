@@ -57,6 +57,17 @@ TUTEL_AVX2_FMA inline void load_units(const GatedUnit& unit, const T* gate, cons
   *u = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
 }
 
+// Adds the bias of units i .. i + 7 (a bias row has the layout of a gate/up row) in float, as the
+// portable kernels add it in their accumulation type.
+template <class T>
+TUTEL_AVX2_FMA inline void add_bias(const GatedUnit& unit, const T* gate_bias, const T* up_bias, int64_t i, __m256* g,
+                                    __m256* u) {
+  __m256 bias_g, bias_u;
+  load_units(unit, gate_bias, up_bias, i, &bias_g, &bias_u);
+  *g = _mm256_add_ps(*g, bias_g);
+  *u = _mm256_add_ps(*u, bias_u);
+}
+
 // Stores d g and d u of units i .. i + 7 in the gates' and ups' layout (interleaved: both
 // into the gate row).
 template <class T>
@@ -87,9 +98,12 @@ TUTEL_AVX2_FMA void avx2_forward(const GatedUnit& unit, const GatedRows<T>& p, i
     const T* gate = p.gate + r * p.gate_stride;
     const T* up = p.up + r * p.up_stride;
     T* out = p.out + r * p.out_stride;
+    const T *gate_bias = nullptr, *up_bias = nullptr;
+    const bool biased = bias_of_row(p, r, &gate_bias, &up_bias);
     for (int64_t i = 0; i < vector_end; i += 8) {
       __m256 g, u;
       load_units(unit, gate, up, i, &g, &u);
+      if (biased) add_bias(unit, gate_bias, up_bias, i, &g, &u);
       if (unit.clamped) {  // operand order keeps NaN, as torch.clamp does
         g = _mm256_min_ps(limit, g);
         u = _mm256_max_ps(neg_limit, _mm256_min_ps(limit, u));
@@ -113,9 +127,12 @@ TUTEL_AVX2_FMA void avx2_backward(const GatedUnit& unit, const GatedRows<T>& p, 
     const T* grad = p.grad + r * p.grad_stride;
     T* out_gate = p.out + r * p.out_stride;
     T* out_up = p.out_up + r * p.out_up_stride;
+    const T *gate_bias = nullptr, *up_bias = nullptr;
+    const bool biased = bias_of_row(p, r, &gate_bias, &up_bias);
     for (int64_t i = 0; i < vector_end; i += 8) {
       __m256 g, u;
       load_units(unit, gate, up, i, &g, &u);
+      if (biased) add_bias(unit, gate_bias, up_bias, i, &g, &u);
       __m256 gate_passes = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), up_passes = gate_passes;
       if (unit.clamped) {  // ordered comparisons: NaN passes no gradient, as in torch.clamp's backward
         gate_passes = _mm256_cmp_ps(g, limit, _CMP_LE_OQ);

@@ -25,6 +25,28 @@ at::Tensor checked_gate_up(const at::Tensor& gate_up, const char* op) {
   return rows_with_unit_stride(gate_up);
 }
 
+std::pair<at::Tensor, at::Tensor> checked_grouped_bias(const c10::optional<at::Tensor>& bias_in,
+                                                       const c10::optional<at::Tensor>& offsets_in,
+                                                       const at::Tensor& gate_up, const char* op) {
+  const bool has_bias = bias_in.has_value() && bias_in->defined();
+  const bool has_offsets = offsets_in.has_value() && offsets_in->defined();
+  TORCH_CHECK_VALUE(has_bias == has_offsets, "tutel::", op, ": `bias` and `offsets` must be given together, got ",
+                    has_bias ? "`bias` without `offsets`" : "`offsets` without `bias`");
+  if (!has_bias) return {at::Tensor(), at::Tensor()};
+  const at::Tensor &bias = *bias_in, &offsets = *offsets_in;
+  check_dim(bias, 2, op, "bias");
+  check_dtype(bias, gate_up.scalar_type(), op, "bias");
+  check_same_device(gate_up, bias, op, "bias");
+  TORCH_CHECK_VALUE(bias.size(1) == gate_up.size(1), "tutel::", op, ": `bias` must have shape [experts, ",
+                    gate_up.size(1), "] (a row of `gate_up`), got ", bias.sizes());
+  check_dim(offsets, 1, op, "offsets");
+  check_dtype(offsets, at::kInt, op, "offsets");
+  check_same_device(gate_up, offsets, op, "offsets");
+  TORCH_CHECK_VALUE(offsets.size(0) == bias.size(0), "tutel::", op, ": `offsets` must have one end per expert ([",
+                    bias.size(0), "], the rows of `bias`), got ", offsets.sizes());
+  return {rows_with_unit_stride(bias), offsets.contiguous()};
+}
+
 std::pair<at::Tensor, at::Tensor> checked_gate_and_up(const at::Tensor& gate, const at::Tensor& up,
                                                       const char* op) {
   check_dim(gate, 2, op, "gate");

@@ -21,6 +21,14 @@ core::GatedUnit gated_unit_params(double alpha, double up_offset, const c10::opt
 // stride (rows_with_unit_stride: a row-strided view stays in place).
 at::Tensor checked_gate_up(const at::Tensor& gate_up, const char* op);
 
+// The optional per-expert bias of gated_unit and its backward, checked against gate_up [n, 2I]:
+// bias [E, 2I] of gate_up's dtype and device, offsets [E] int32 on that device, both or neither
+// (undefined tensors for neither).  The bias is returned as rows like above, offsets contiguous.
+// offsets' order is not checked (its values stay on the device); see GatedRows.
+std::pair<at::Tensor, at::Tensor> checked_grouped_bias(const c10::optional<at::Tensor>& bias,
+                                                       const c10::optional<at::Tensor>& offsets,
+                                                       const at::Tensor& gate_up, const char* op);
+
 // Gates and ups ([n, I] each) checked: the same shape, dtype and device; as rows like above.
 std::pair<at::Tensor, at::Tensor> checked_gate_and_up(const at::Tensor& gate, const at::Tensor& up, const char* op);
 

@@ -49,12 +49,19 @@ TORCH_LIBRARY(tutel, m) {
       "bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
   // Gated activation of the experts' up projection gate_up [n, 2I] (gates and ups concatenated,
   // or alternating when interleaved): h = (u' + up_offset) * g' * sigmoid(alpha g') [n, I],
-  // g' = min(g, limit), u' = clamp(u, -limit, limit) (limit None: no clamping).  CPU only.
-  m.def("gated_unit(Tensor gate_up, float alpha, float up_offset, float? limit, bool interleaved) -> Tensor");
-  // d gate_up [n, 2I] (gate_up's layout) from d h [n, I].
+  // g' = min(g, limit), u' = clamp(u, -limit, limit) (limit None: no clamping).  With bias [E, 2I]
+  // (gate_up's dtype, laid out like a row of gate_up) and offsets [E] int32 (both or neither; rows
+  // grouped by expert, offsets[e] the end of expert e's rows, non-decreasing), row r's g and u
+  // first take the bias of its expert, the first e with offsets[e] > r, added in the accumulation
+  // dtype (rows past offsets[E-1] take none).  CPU and CUDA (one launch).
+  m.def(
+      "gated_unit(Tensor gate_up, float alpha, float up_offset, float? limit, bool interleaved, Tensor? bias=None, "
+      "Tensor? offsets=None) -> Tensor");
+  // d gate_up [n, 2I] (gate_up's layout) from d h [n, I], at the biased values when bias and
+  // offsets are given (d bias is then the per-expert sum of d gate_up, left to the caller).
   m.def(
       "gated_unit_backward(Tensor grad, Tensor gate_up, float alpha, float up_offset, float? limit, "
-      "bool interleaved) -> Tensor");
+      "bool interleaved, Tensor? bias=None, Tensor? offsets=None) -> Tensor");
   // out[i] = x[index[i]] for x [N, M], index [n] (torch.index_select(x, 0, index) into a buffer
   // of the CPU block cache).  CPU only.
   m.def("select_rows(Tensor x, Tensor index) -> Tensor");

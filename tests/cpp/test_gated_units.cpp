@@ -1,7 +1,7 @@
 // Gated units: the portable and the AVX2 kernels (when this CPU has them) against double
 // arithmetic, forward and backward, both layouts, clamped or not, every storage type, widths
-// around the 8-unit vector blocks, row strides wider than the rows, rows split between calls, and
-// gates and ups in one tensor or two.
+// around the 8-unit vector blocks, row strides wider than the rows, rows split between calls,
+// gates and ups in one tensor or two, and gate_up rows with the per-expert bias of grouped rows.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -49,14 +49,20 @@ Expected expected(const GatedUnit& unit, double g_in, double u_in, double dh) {
   return e;
 }
 
-// One unit's h, d gate and d up against the definition in double, to the storage type's rounding.
+// One unit's h, d gate and d up against the definition in double at g and u, to the storage
+// type's rounding.
 template <class T>
-void expect_unit(const GatedUnit& unit, T g, T u, T dh, T h, T dg, T du, int64_t row, int64_t i) {
+void expect_unit_at(const GatedUnit& unit, double g, double u, T dh, T h, T dg, T du, int64_t row, int64_t i) {
   const double tolerance = 8 * (unit_rounding(T()) + std::ldexp(1.0, -21));
-  const Expected e = expected(unit, value(g), value(u), value(dh));
+  const Expected e = expected(unit, g, u, value(dh));
   EXPECT_NEAR(value(h), e.h, tolerance * e.h_scale + 1e-30) << "h row " << row << " unit " << i;
   EXPECT_NEAR(value(dg), e.dg, tolerance * e.dg_scale + 1e-30) << "d gate row " << row << " unit " << i;
   EXPECT_NEAR(value(du), e.du, tolerance * e.du_scale + 1e-30) << "d up row " << row << " unit " << i;
+}
+
+template <class T>
+void expect_unit(const GatedUnit& unit, T g, T u, T dh, T h, T dg, T du, int64_t row, int64_t i) {
+  expect_unit_at(unit, value(g), value(u), dh, h, dg, du, row, i);
 }
 
 template <class T>
@@ -90,6 +96,47 @@ void check_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_
       const int64_t gc = unit.interleaved ? 2 * i : i, uc = unit.interleaved ? 2 * i + 1 : width + i;
       expect_unit(unit, gate_up[r * in_stride + gc], gate_up[r * in_stride + uc], grad[r * grad_stride + i],
                   h[r * (width + 1) + i], d[r * (2 * width + 1) + gc], d[r * (2 * width + 1) + uc], r, i);
+    }
+  }
+}
+
+// gate_up rows with the per-expert bias: 3 experts over 8 rows (expert 1 idle, the last row past
+// the last expert's, taking no bias), bias rows wider than 2I.  g and u are gate_up's values plus
+// the bias, summed in the accumulation type (the operator's rule), then the definition in double.
+template <class T>
+void check_biased_kernels(const GatedKernels<T>& kernels, const GatedUnit& unit, int64_t width, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 5.f);
+  const int64_t rows = 8, in_stride = 2 * width + 3, grad_stride = width, bias_stride = 2 * width + 1;
+  const int32_t ends[] = {3, 3, 7};
+  const int64_t row_expert[] = {0, 0, 0, 2, 2, 2, 2, 3};  // 3: none
+  std::vector<T> gate_up(rows * in_stride), grad(rows * grad_stride), bias(3 * bias_stride), h(rows * width),
+      d(rows * 2 * width);
+  for (auto& v : gate_up) v = Scalar<T>::store(dist(rng));
+  for (auto& v : grad) v = Scalar<T>::store(dist(rng) / 5.f);
+  for (auto& v : bias) v = Scalar<T>::store(dist(rng));
+  const GatedRows<T> forward = with_grouped_bias(
+      concatenated_gate_up<T>(unit.interleaved, gate_up.data(), in_stride, nullptr, 0, h.data(), width, nullptr, 0,
+                              rows, width),
+      unit.interleaved, bias.data(), bias_stride, ends, 3);
+  const GatedRows<T> backward = with_grouped_bias(
+      concatenated_gate_up<T>(unit.interleaved, gate_up.data(), in_stride, grad.data(), grad_stride, nullptr, 0,
+                              d.data(), 2 * width, rows, width),
+      unit.interleaved, bias.data(), bias_stride, ends, 3);
+  kernels.forward(unit, forward, 0, 4);
+  kernels.forward(unit, forward, 4, rows);
+  kernels.backward(unit, backward, 0, 5);
+  kernels.backward(unit, backward, 5, rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t gc = unit.interleaved ? 2 * i : i, uc = unit.interleaved ? 2 * i + 1 : width + i;
+      double g = value(gate_up[r * in_stride + gc]), u = value(gate_up[r * in_stride + uc]);
+      if (row_expert[r] < 3) {
+        using A = acc_t<T>;
+        g = double(A(g) + A(value(bias[row_expert[r] * bias_stride + gc])));
+        u = double(A(u) + A(value(bias[row_expert[r] * bias_stride + uc])));
+      }
+      expect_unit_at(unit, g, u, grad[r * grad_stride + i], h[r * width + i], d[r * 2 * width + gc],
+                     d[r * 2 * width + uc], r, i);
     }
   }
 }
@@ -136,6 +183,8 @@ void check_all() {
     for (int64_t width : kWidths) {
       check_kernels(portable_gated_kernels<T>(), unit, width, rng);
       if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_kernels(*avx2, unit, width, rng);
+      check_biased_kernels(portable_gated_kernels<T>(), unit, width, rng);
+      if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_biased_kernels(*avx2, unit, width, rng);
       if (!unit.interleaved) {
         check_separate_kernels(portable_gated_kernels<T>(), unit, width, rng);
         if (const GatedKernels<T>* avx2 = avx2_gated_kernels<T>()) check_separate_kernels(*avx2, unit, width, rng);

@@ -74,13 +74,14 @@ def _grouped_linear_backward(grad, x, weight, group_rows, weight_transposed, out
     return grad_x, grad_weight, grad_bias
 
 
+# The per-expert bias (bias, offsets) changes values only: the shapes follow gate_up.
 @register_fake("tutel::gated_unit")
-def _gated_unit(gate_up, alpha, up_offset, limit, interleaved):
+def _gated_unit(gate_up, alpha, up_offset, limit, interleaved, bias=None, offsets=None):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
 @register_fake("tutel::gated_unit_backward")
-def _gated_unit_backward(grad, gate_up, alpha, up_offset, limit, interleaved):
+def _gated_unit_backward(grad, gate_up, alpha, up_offset, limit, interleaved, bias=None, offsets=None):
     return gate_up.new_empty(gate_up.shape)
 
 

@@ -9,6 +9,12 @@ or alternating) to the [..., I] hidden values
 silu(g) * u, the rule of LLaMA, Mixtral, Qwen-MoE and DeepSeek; ``GatedUnit(1.702, 1.0, 7.0,
 interleaved=True)`` is gpt-oss'.
 
+Experts with biases on their up projection (gpt-oss) pass ``bias`` [E, 2I] and ``offsets`` [E]
+(int32, the non-decreasing end of each expert's rows when the rows are grouped by expert, as
+``group_by_expert``'s ``ends``): each row's gate and up values then take its expert's bias
+first, added in the accumulation dtype (float32 for 16-bit data) without rounding in between,
+in the same launch on CUDA.  The bias' gradient is the per-expert sum of d gate_up.
+
 ``gated_unit_pair(gate, up, unit)`` is the same unit over gates and ups held in two tensors
 (experts whose gate and up projections are separate products, as Tutel's ``llama_ffn``).
 
@@ -27,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from .backend import operators_for
-from .checks import require_floating
+from .checks import accumulation_dtype, require_floating, require_tensor
+from .composite.experts import add_grouped_bias, row_experts
 from .tracing import eager_without_grad
 
 class GatedUnit(NamedTuple):
@@ -48,9 +55,15 @@ def split_gate_up(gate_up: torch.Tensor, interleaved: bool):
     return gate_up.chunk(2, dim=-1)
 
 
-def gated_unit_composite(gate_up: torch.Tensor, unit: GatedUnit) -> torch.Tensor:
-    """The gated unit composed from PyTorch operators (any device, autograd by PyTorch)."""
-    return _composite(*split_gate_up(gate_up, unit.interleaved), unit)
+def gated_unit_composite(gate_up: torch.Tensor, unit: GatedUnit, *, bias: Optional[torch.Tensor] = None,
+                         offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated unit composed from PyTorch operators (any device, autograd by PyTorch); with
+    `bias` and `offsets`, of the biased values in the accumulation dtype, rounded once."""
+    if bias is None:
+        return _composite(*split_gate_up(gate_up, unit.interleaved), unit)
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    hidden = _composite(*split_gate_up(add_grouped_bias(rows, bias, offsets), unit.interleaved), unit)
+    return hidden.to(gate_up.dtype).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def _composite(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit) -> torch.Tensor:
@@ -64,25 +77,79 @@ def _composite(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit) -> torch.T
     return up * (gate * torch.sigmoid(unit.alpha * gate))
 
 
-def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU) -> torch.Tensor:
-    """[..., 2I] gate and up values -> [..., I] hidden values (see the module docstring);
-    differentiable in `gate_up`."""
+def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU, *, bias: Optional[torch.Tensor] = None,
+               offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[..., 2I] gate and up values -> [..., I] hidden values (see the module docstring).
+
+    Args:
+        gate_up: the up projection, [..., 2I] floating point.
+        unit: the gated unit's parameters.
+        bias: optional [E, 2I] per-expert bias of gate_up's dtype and device, laid out like a
+            row of gate_up; given with `offsets`.
+        offsets: optional [E] int32 on gate_up's device: the non-decreasing end of each
+            expert's rows of gate_up's rows (leading dims flattened), grouped by expert.  Row r
+            takes the bias of the first e with offsets[e] > r; rows past offsets[E - 1] take none.
+            The order is not checked (that would synchronise with the device).
+
+    Returns:
+        h [..., I] in gate_up's dtype; differentiable in `gate_up` and `bias`.
+    """
     where = "tutel.ops.gated_units.gated_unit"
     require_floating(gate_up, "gate_up", where)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"{where}: the last dim of `gate_up` {tuple(gate_up.shape)} must be even "
                          f"(gate and up values)")
     check_unit(unit, where)
+    _check_grouped_bias(gate_up, bias, offsets, where)
     if not fused_unit_on(gate_up.device):
-        return gated_unit_composite(gate_up, unit)
+        return gated_unit_composite(gate_up, unit, bias=bias, offsets=offsets)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     args = unit_scalars(unit) + (bool(unit.interleaved),)
-    if eager_without_grad(gate_up):
+    if eager_without_grad(gate_up, bias):
         # Nothing to trace or differentiate: skip the custom operator's dispatch.
-        hidden = torch.ops.tutel.gated_unit(rows, *args)
+        hidden = torch.ops.tutel.gated_unit(rows, *args, bias, offsets)
     else:
-        hidden = _gated_unit(rows, *args)
+        hidden = _gated_unit(rows, *args, bias, offsets)
     return hidden.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def _check_grouped_bias(gate_up: torch.Tensor, bias: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
+                        where: str) -> None:
+    """TypeError / ValueError (from `where`, naming the argument) unless bias and offsets are both
+    None or a [E, 2I] bias of gate_up's dtype and device and [E] int32 offsets on that device."""
+    if (bias is None) != (offsets is None):
+        given, missing = ("bias", "offsets") if offsets is None else ("offsets", "bias")
+        raise ValueError(f"{where}: `{given}` needs `{missing}`: the per-expert bias takes both or neither")
+    if bias is None:
+        return
+    require_floating(bias, "bias", where)
+    require_tensor(offsets, "offsets", where)
+    if bias.dim() != 2 or bias.shape[1] != gate_up.shape[-1]:
+        raise ValueError(f"{where}: `bias` must be [experts, {gate_up.shape[-1]}] (a row of `gate_up`), got "
+                         f"shape {tuple(bias.shape)}")
+    if bias.dtype != gate_up.dtype:
+        raise TypeError(f"{where}: `bias` must have the dtype of `gate_up` ({gate_up.dtype}), got {bias.dtype}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"{where}: `offsets` must be int32 (each expert's end row), got {offsets.dtype}")
+    if offsets.shape != bias.shape[:1]:
+        raise ValueError(f"{where}: `offsets` must be [{bias.shape[0]}] (one end per row of `bias`), got shape "
+                         f"{tuple(offsets.shape)}")
+    for name, value in (("bias", bias), ("offsets", offsets)):
+        if value.device != gate_up.device:
+            raise ValueError(f"{where}: `{name}` is on {value.device} but `gate_up` is on {gate_up.device}")
+
+
+def _expert_sums(grad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """The per-expert sums of grouped rows: [experts, width] in the accumulation dtype (float32;
+    float64 for float64 rows), row e the sum of grad's rows [offsets[e - 1], offsets[e])
+    (from 0 for e = 0, as gated_unit assigns rows to experts); rows past offsets[-1] count in
+    none.  The bias gradient of gated_unit: composed from PyTorch operators, without host
+    synchronisation (every size from the shapes)."""
+    acc = accumulation_dtype(grad.dtype)
+    expert = row_experts(grad.shape[0], offsets)  # `experts` for rows past the last expert's
+    sums = grad.new_zeros((experts + 1, grad.shape[1]), dtype=acc)
+    sums.index_add_(0, expert, grad.to(acc))
+    return sums[:experts]
 
 
 def fused_unit_on(device: torch.device, operator: str = "gated_unit") -> bool:
@@ -107,24 +174,29 @@ def unit_scalars(unit: GatedUnit) -> tuple:
 
 @torch.library.custom_op("tutel::gated_unit_rows", mutates_args=())
 def _gated_unit(gate_up: torch.Tensor, alpha: float, up_offset: float, limit: Optional[float],
-                interleaved: bool) -> torch.Tensor:
-    return torch.ops.tutel.gated_unit(gate_up, alpha, up_offset, limit, interleaved)
+                interleaved: bool, bias: Optional[torch.Tensor] = None,
+                offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.ops.tutel.gated_unit(gate_up, alpha, up_offset, limit, interleaved, bias, offsets)
 
 
 @_gated_unit.register_fake
-def _gated_unit_fake(gate_up, alpha, up_offset, limit, interleaved):
+def _gated_unit_fake(gate_up, alpha, up_offset, limit, interleaved, bias=None, offsets=None):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
 def _setup_context(ctx, inputs, output):
-    gate_up, alpha, up_offset, limit, interleaved = inputs
-    ctx.save_for_backward(gate_up)
+    gate_up, alpha, up_offset, limit, interleaved, bias, offsets = inputs
+    ctx.save_for_backward(gate_up, bias, offsets)
     ctx.unit = (alpha, up_offset, limit, interleaved)
 
 
 def _backward(ctx, grad):
-    gate_up, = ctx.saved_tensors
-    return torch.ops.tutel.gated_unit_backward(grad, gate_up, *ctx.unit), None, None, None, None
+    gate_up, bias, offsets = ctx.saved_tensors
+    grad_gate_up = torch.ops.tutel.gated_unit_backward(grad, gate_up, *ctx.unit, bias, offsets)
+    grad_bias = None
+    if bias is not None and ctx.needs_input_grad[5]:
+        grad_bias = _expert_sums(grad_gate_up, offsets, bias.shape[0]).to(bias.dtype)
+    return grad_gate_up, None, None, None, None, grad_bias, None
 
 
 _gated_unit.register_autograd(_backward, setup_context=_setup_context)

@@ -139,7 +139,8 @@ def _unit_values(rows: int, columns: int, dtype: torch.dtype, generator: torch.G
 
 def _expert_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
     """group_by_expert (int32 and int64 ids, some outside [0, E), a transposed view) and the gated
-    units (every data dtype and unit; I = model_dim)."""
+    units (every data dtype and unit; I = model_dim; gated_unit and its backward also with the
+    per-expert bias of E experts)."""
     ids = torch.randint(-2, s.experts + 2, (s.tokens, s.k), generator=g)
     yield Case("group_by_expert", f"int64 ids {tag}", (ids, s.experts))
     yield Case("group_by_expert", f"int32 ids transposed {tag}", (ids.t().contiguous().to(torch.int32).t(), s.experts))
@@ -156,6 +157,17 @@ def _expert_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
                 gate, up = gate_up[:, :width], gate_up[:, width:]  # row-strided views
                 yield Case("gated_unit_pair", unit, (gate, up, alpha, offset, limit))
                 yield Case("gated_unit_pair_backward", unit, (grad, gate, up, alpha, offset, limit))
+        for alpha, offset, limit, interleaved in _UNIT_PARAMETERS[:2]:
+            # The per-expert bias of rows grouped by expert: random ends, so some experts are idle
+            # and some rows lie past the last expert's.
+            unit = (f"{name} alpha={alpha} up_offset={offset} limit={limit} interleaved={interleaved} {tag} "
+                    f"I={width} biased")
+            gate_up = _unit_values(s.tokens, 2 * width, dtype, g)
+            grad = _unit_values(s.tokens, width, dtype, g)
+            bias = (torch.randn(s.experts, 2 * width, generator=g, dtype=torch.float64) * 2).to(dtype)
+            ends = torch.randint(0, s.tokens + 1, (s.experts,), generator=g).sort().values.to(torch.int32)
+            yield Case("gated_unit", unit, (gate_up, alpha, offset, limit, interleaved, bias, ends))
+            yield Case("gated_unit_backward", unit, (grad, gate_up, alpha, offset, limit, interleaved, bias, ends))
 
 
 def _to(value, device: torch.device):

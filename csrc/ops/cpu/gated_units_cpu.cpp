@@ -21,14 +21,18 @@ namespace {
 template <class T>
 using CoreRows = core::GatedRows<core_t<T>>;
 
+// gate_up's rows, with the per-expert bias when `bias` (checked_grouped_bias) is defined.
 template <class T>
 CoreRows<T> concatenated_rows(bool interleaved, const at::Tensor& gate_up, const at::Tensor& grad, at::Tensor& h,
-                              at::Tensor& d_gate_up) {
-  return core::concatenated_gate_up<core_t<T>>(
+                              at::Tensor& d_gate_up, const std::pair<at::Tensor, at::Tensor>& bias) {
+  const CoreRows<T> rows = core::concatenated_gate_up<core_t<T>>(
       interleaved, core_ptr<T>(gate_up), gate_up.stride(0), grad.defined() ? core_ptr<T>(grad) : nullptr,
       grad.defined() ? grad.stride(0) : 0, h.defined() ? core_ptr<T>(h) : nullptr, h.defined() ? h.stride(0) : 0,
       d_gate_up.defined() ? core_ptr<T>(d_gate_up) : nullptr, d_gate_up.defined() ? d_gate_up.stride(0) : 0,
       gate_up.size(0), gate_up.size(1) / 2);
+  if (!bias.first.defined() || bias.first.size(0) == 0) return rows;  // no experts: no row takes a bias
+  return core::with_grouped_bias<core_t<T>>(rows, interleaved, core_ptr<T>(bias.first), bias.first.stride(0),
+                                            bias.second.data_ptr<int32_t>(), bias.first.size(0));
 }
 
 // Separate gates and ups; `out` is h (forward) or d gate (backward, with d_up).
@@ -44,13 +48,15 @@ CoreRows<T> separate_rows(const at::Tensor& gate, const at::Tensor& up, const at
 }  // namespace
 
 at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_offset, c10::optional<double> limit,
-                          bool interleaved) {
+                          bool interleaved, const c10::optional<at::Tensor>& bias_in,
+                          const c10::optional<at::Tensor>& offsets_in) {
   const char* op = "gated_unit";
   const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
+  const std::pair<at::Tensor, at::Tensor> bias = checked_grouped_bias(bias_in, offsets_in, gate_up, op);
   at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit", [&] {
-    core::gated_forward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, at::Tensor(), out, none));
+    core::gated_forward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, at::Tensor(), out, none, bias));
   });
   return out;
 }
@@ -58,14 +64,17 @@ at::Tensor gated_unit_cpu(const at::Tensor& gate_up_in, double alpha, double up_
 namespace {
 
 at::Tensor gated_unit_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_up_in, double alpha,
-                                   double up_offset, c10::optional<double> limit, bool interleaved) {
+                                   double up_offset, c10::optional<double> limit, bool interleaved,
+                                   const c10::optional<at::Tensor>& bias_in,
+                                   const c10::optional<at::Tensor>& offsets_in) {
   const char* op = "gated_unit_backward";
   const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
   const at::Tensor grad = checked_unit_grad(grad_in, gate_up, gate_up.size(1) / 2, op);
+  const std::pair<at::Tensor, at::Tensor> bias = checked_grouped_bias(bias_in, offsets_in, gate_up, op);
   at::Tensor out = empty_reusable({gate_up.size(0), gate_up.size(1)}, gate_up.options()), none;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_unit_backward", [&] {
-    core::gated_backward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, grad, none, out));
+    core::gated_backward(unit, concatenated_rows<scalar_t>(interleaved, gate_up, grad, none, out, bias));
   });
   return out;
 }

@@ -1,6 +1,7 @@
 // CUDA implementations of gated_unit, gated_unit_pair and their backward passes: one launch of
-// kernels/gated_units.cu each, no host synchronisation.  Row-strided views (one half of a fused
-// product) are read in place; the outputs are new contiguous tensors.
+// kernels/gated_units.cu each (with or without gated_unit's per-expert bias), no host
+// synchronisation.  Row-strided views (one half of a fused product) are read in place; the
+// outputs are new contiguous tensors.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -28,17 +29,28 @@ const void* shifted(const at::Tensor& t, int64_t elements) {
   return base == nullptr ? nullptr : base + elements * t.element_size();
 }
 
-// gate_up [n, 2I]: the two halves of each row, or alternating values (interleaved).
-TutelGatedOperands concatenated(const at::Tensor& gate_up, bool interleaved) {
-  const int64_t width = gate_up.size(1) / 2;
-  return TutelGatedOperands{input_ptr(gate_up), gate_up.stride(0), shifted(gate_up, interleaved ? 1 : width),
-                            gate_up.stride(0), interleaved ? 2 : 1, gate_up.size(0), width};
+// gate_up [n, 2I]: the two halves of each row, or alternating values (interleaved); with the
+// per-expert bias when `bias` (checked_grouped_bias: bias rows and offsets) is defined and has
+// experts.  A bias row has gate_up's layout, so its halves are found as gate_up's are.
+TutelGatedOperands concatenated(const at::Tensor& gate_up, bool interleaved,
+                                const std::pair<at::Tensor, at::Tensor>& bias) {
+  const int64_t width = gate_up.size(1) / 2, up_shift = interleaved ? 1 : width;
+  TutelGatedOperands operands{input_ptr(gate_up), gate_up.stride(0), shifted(gate_up, up_shift), gate_up.stride(0),
+                              interleaved ? 2 : 1, gate_up.size(0), width, nullptr, nullptr, 0, nullptr, 0};
+  if (bias.first.defined() && bias.first.size(0) > 0) {
+    operands.gate_bias = input_ptr(bias.first);
+    operands.up_bias = shifted(bias.first, up_shift);
+    operands.bias_stride = bias.first.stride(0);
+    operands.expert_ends = static_cast<const int*>(input_ptr(bias.second));
+    operands.experts = bias.first.size(0);
+  }
+  return operands;
 }
 
-// Separate gates and ups [n, I].
+// Separate gates and ups [n, I] (no bias).
 TutelGatedOperands separate(const at::Tensor& gate, const at::Tensor& up) {
   return TutelGatedOperands{input_ptr(gate), gate.stride(0), input_ptr(up), up.stride(0), 1, gate.size(0),
-                            gate.size(1)};
+                            gate.size(1), nullptr, nullptr, 0, nullptr, 0};
 }
 
 // h [n, I], a new tensor like `like` (the operands' dtype and device).
@@ -63,20 +75,25 @@ void backward(const at::Tensor& like, const TutelGatedOperands& operands, const 
 }
 
 at::Tensor gated_unit_cuda(const at::Tensor& gate_up_in, double alpha, double up_offset, c10::optional<double> limit,
-                           bool interleaved) {
+                           bool interleaved, const c10::optional<at::Tensor>& bias_in,
+                           const c10::optional<at::Tensor>& offsets_in) {
   const char* op = "gated_unit";
   const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
-  return forward(gate_up, concatenated(gate_up, interleaved), unit, op);
+  const std::pair<at::Tensor, at::Tensor> bias = checked_grouped_bias(bias_in, offsets_in, gate_up, op);
+  return forward(gate_up, concatenated(gate_up, interleaved, bias), unit, op);
 }
 
 at::Tensor gated_unit_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in, double alpha,
-                                    double up_offset, c10::optional<double> limit, bool interleaved) {
+                                    double up_offset, c10::optional<double> limit, bool interleaved,
+                                    const c10::optional<at::Tensor>& bias_in,
+                                    const c10::optional<at::Tensor>& offsets_in) {
   const char* op = "gated_unit_backward";
   const core::GatedUnit unit = gated_unit_params(alpha, up_offset, limit, interleaved, op);
   const at::Tensor gate_up = checked_gate_up(gate_up_in, op);
   const at::Tensor grad = checked_unit_grad(grad_in, gate_up, gate_up.size(1) / 2, op);
-  const TutelGatedOperands operands = concatenated(gate_up, interleaved);
+  const std::pair<at::Tensor, at::Tensor> bias = checked_grouped_bias(bias_in, offsets_in, gate_up, op);
+  const TutelGatedOperands operands = concatenated(gate_up, interleaved, bias);
   // d gate_up in gate_up's layout: every element is written (a gate or an up of some unit).
   at::Tensor out = at::empty(gate_up.sizes(), gate_up.options());
   void* d_gate = output_ptr(out);

@@ -5,7 +5,9 @@
 // SwiGLU, clamped units with and without gpt-oss' interleaved layout and offset, an unclamped
 // interleaved unit; gate_up rows with padded strides and separate gates and ups; odd widths and
 // row counts from 0 to 3000; values at the clamp bounds, NaN, ±inf, -0 and beyond the
-// exponential's range.
+// exponential's range.  gate_up rows with the per-expert bias of rows grouped by expert: 1 to
+// 1000 experts (more than rows), idle experts, rows past the last expert's, padded bias rows.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -30,11 +32,13 @@ enum UnitKind { kSwiGLU, kGptOss, kClampedHalves, kInterleavedSilu };
 struct Case {
   int64_t rows, width;  // n, I
   UnitKind unit;
-  int64_t row_padding;  // gate_up's (and the separate tensors') row stride exceeds the row by this
+  int64_t row_padding;  // gate_up's (the separate tensors', the bias') row stride exceeds the row by this
+  int64_t experts = 0;  // > 0: gate_up rows take the per-expert bias of this many experts
 };
 
 void PrintTo(const Case& c, std::ostream* out) {
-  *out << "n=" << c.rows << " I=" << c.width << " unit=" << int(c.unit) << " padding=" << c.row_padding;
+  *out << "n=" << c.rows << " I=" << c.width << " unit=" << int(c.unit) << " padding=" << c.row_padding
+       << " experts=" << c.experts;
 }
 
 core::GatedUnit unit_of(UnitKind kind) {
@@ -93,12 +97,13 @@ long double value_of(storage_t v) { return (long double)to_acc(v); }
                                        << double(bound);
 }
 
-// The unit in long double from the stored g, u and d h: h, d g, d u and the terms' sizes.
+// The unit in long double from g, u (the stored values, or with the bias their sums in the
+// accumulation type, which is the operator's rule) and d h: h, d g, d u and the terms' sizes.
 struct Exact {
   long double h, dg, du, h_size, dg_size, du_size;
 };
-Exact exact_unit(const core::GatedUnit& unit, storage_t g_bits, storage_t u_bits, storage_t dh_bits) {
-  const long double g_in = value_of(g_bits), u_in = value_of(u_bits), dh = value_of(dh_bits);
+Exact exact_unit(const core::GatedUnit& unit, long double g_in, long double u_in, storage_t dh_bits) {
+  const long double dh = value_of(dh_bits);
   const long double limit = unit.limit, alpha = unit.alpha, offset = unit.up_offset;
   long double g = g_in, u = u_in;
   if (unit.clamped) {
@@ -119,21 +124,63 @@ Exact exact_unit(const core::GatedUnit& unit, storage_t g_bits, storage_t u_bits
   return e;
 }
 
+// Each expert's end row, non-decreasing in [0, n]: random ends (experts beyond the rows share
+// ends, idle), expert 1 always idle, and rows past the last expert's unless E is a multiple of 3.
+std::vector<int32_t> expert_ends(int64_t rows, int64_t experts, std::mt19937& rng) {
+  std::vector<int32_t> ends(size_t(experts > 0 ? experts : 0));
+  std::uniform_int_distribution<int64_t> pick(0, rows);
+  for (int32_t& end : ends) end = int32_t(pick(rng));
+  std::sort(ends.begin(), ends.end());
+  if (experts >= 2) ends[1] = ends[0];
+  if (experts > 0 && experts % 3 == 0) ends.back() = int32_t(rows);
+  return ends;
+}
+
+// The reference's expert of grouped row r: a linear scan for the first e with ends[e] > r.
+int64_t scanned_expert(const std::vector<int32_t>& ends, int64_t r) {
+  int64_t e = 0;
+  while (e < int64_t(ends.size()) && ends[size_t(e)] <= r) ++e;
+  return e;
+}
+
 // Where a row's gates and ups lie: in one [n, 2I + padding] gate_up tensor (its halves, or
-// alternating when interleaved), or in two [n, I + padding] tensors.
+// alternating when interleaved), or in two [n, I + padding] tensors; and gate_up's per-expert
+// bias, [E, 2I + padding] rows laid out like gate_up's, with the experts' ends.
 struct Layout {
   std::vector<storage_t> first, second;  // gate_up (second unused), or gates and ups
   int64_t stride, step, up_shift;
   bool separate;
+  std::vector<storage_t> bias;  // empty: no bias
+  std::vector<int32_t> ends;
+  int64_t bias_stride = 0;
   TutelGatedOperands operands(int64_t rows, int64_t width) const {
     const storage_t* base = first.empty() ? nullptr : first.data();
     const storage_t* up = separate ? (second.empty() ? nullptr : second.data())
                                    : (base == nullptr ? nullptr : base + up_shift);
-    return TutelGatedOperands{base, stride, up, stride, step, rows, width};
+    TutelGatedOperands p{base, stride, up, stride, step, rows, width, nullptr, nullptr, 0, nullptr, 0};
+    if (!ends.empty()) {
+      p.gate_bias = bias.data();
+      p.up_bias = bias.data() + up_shift;
+      p.bias_stride = bias_stride;
+      p.expert_ends = ends.data();
+      p.experts = int64_t(ends.size());
+    }
+    return p;
   }
   storage_t gate(int64_t r, int64_t i) const { return first[size_t(r * stride + step * i)]; }
   storage_t up(int64_t r, int64_t i) const {
     return separate ? second[size_t(r * stride + i)] : first[size_t(r * stride + up_shift + step * i)];
+  }
+  // g and u of unit i of row r as the operator takes them: plus the row's expert bias, summed in
+  // the accumulation type, when there is one.
+  long double biased_gate(int64_t r, int64_t i) const { return biased(gate(r, i), r, step * i); }
+  long double biased_up(int64_t r, int64_t i) const { return biased(up(r, i), r, up_shift + step * i); }
+
+ private:
+  long double biased(storage_t value, int64_t r, int64_t at) const {
+    const int64_t e = scanned_expert(ends, r);
+    if (e >= int64_t(ends.size())) return value_of(value);
+    return (long double)(acc_t)(to_acc(value) + to_acc(bias[size_t(e * bias_stride + at)]));
   }
 };
 
@@ -146,6 +193,11 @@ Layout make_layout(const Case& c, const core::GatedUnit& unit, bool separate, st
   l.stride = (separate ? c.width : 2 * c.width) + c.row_padding;
   l.first = unit_values(c.rows * l.stride + 1, rng);
   if (separate) l.second = unit_values(c.rows * l.stride + 1, rng);
+  if (!separate && c.experts > 0) {
+    l.bias_stride = 2 * c.width + c.row_padding;
+    l.bias = unit_values(c.experts * l.bias_stride, rng);
+    l.ends = expert_ends(c.rows, c.experts, rng);
+  }
   return l;
 }
 
@@ -153,10 +205,13 @@ core::GatedRows<CoreT> core_rows(const Layout& l, const std::vector<storage_t>& 
                                  std::vector<storage_t>& out, int64_t out_stride, storage_t* out_up,
                                  int64_t out_up_stride, const Case& c) {
   const storage_t* up = l.separate ? l.second.data() : l.first.data() + l.up_shift;
-  return core::GatedRows<CoreT>{core_of(l.first), l.stride, reinterpret_cast<const CoreT*>(up), l.stride,
-                                grad.empty() ? nullptr : core_of(grad), grad_stride,
-                                out.empty() ? nullptr : core_of(out), out_stride,
-                                reinterpret_cast<CoreT*>(out_up), out_up_stride, c.rows, c.width};
+  const core::GatedRows<CoreT> rows{core_of(l.first), l.stride, reinterpret_cast<const CoreT*>(up), l.stride,
+                                    grad.empty() ? nullptr : core_of(grad), grad_stride,
+                                    out.empty() ? nullptr : core_of(out), out_stride,
+                                    reinterpret_cast<CoreT*>(out_up), out_up_stride, c.rows, c.width};
+  if (l.ends.empty()) return rows;
+  return core::with_grouped_bias(rows, l.step == 2, core_of(l.bias), l.bias_stride, l.ends.data(),
+                                 int64_t(l.ends.size()));
 }
 
 const char* unit_name(UnitKind kind) {
@@ -173,7 +228,8 @@ class GatedUnitsCu : public ::testing::TestWithParam<Case> {};
 void check_layout(const Case& c, bool separate) {
   const core::GatedUnit unit = unit_of(c.unit);
   if (separate && unit.interleaved) return;  // separate gates and ups are never interleaved
-  std::mt19937 rng(unsigned(c.rows * 7 + c.width * 3 + int(c.unit) * 101 + c.row_padding + separate));
+  std::mt19937 rng(unsigned(c.rows * 7 + c.width * 3 + int(c.unit) * 101 + c.row_padding + separate +
+                            c.experts * 13));
   const Layout l = make_layout(c, unit, separate, rng);
   const std::vector<storage_t> grad = unit_values(c.rows * c.width, rng);
   const TutelGatedOperands operands = l.operands(c.rows, c.width);
@@ -215,7 +271,7 @@ void check_layout(const Case& c, bool separate) {
     // Against the formula in long double.
     for (int64_t r = 0; r < c.rows; ++r)
       for (int64_t i = 0; i < c.width; ++i) {
-        const Exact e = exact_unit(unit, l.gate(r, i), l.up(r, i), grad[size_t(r * c.width + i)]);
+        const Exact e = exact_unit(unit, l.biased_gate(r, i), l.biased_up(r, i), grad[size_t(r * c.width + i)]);
         const storage_t got_dg = d[size_t(r * d_stride + (separate ? i : l.step * i))];
         const storage_t got_du = separate ? d_up_separate[size_t(r * c.width + i)]
                                           : d[size_t(r * d_stride + d_up_shift + l.step * i)];
@@ -229,6 +285,11 @@ void check_layout(const Case& c, bool separate) {
 TEST_P(GatedUnitsCu, GateUpRowsMatchCoreAndFormula) { check_layout(GetParam(), false); }
 
 TEST_P(GatedUnitsCu, SeparateGatesAndUpsMatchCoreAndFormula) { check_layout(GetParam(), true); }
+
+// gate_up rows with the per-expert bias (gated_unit's bias and offsets).
+class GatedUnitsBiasCu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GatedUnitsBiasCu, GateUpRowsWithExpertBiasMatchCoreAndFormula) { check_layout(GetParam(), false); }
 
 // One thread per unit of the flattened result.
 TEST(GatedUnitsPlan, OneThreadPerUnit) {
@@ -250,6 +311,23 @@ INSTANTIATE_TEST_SUITE_P(
       const Case& c = info.param;
       return "n" + std::to_string(c.rows) + "_I" + std::to_string(c.width) + "_" + unit_name(c.unit) + "_pad" +
              std::to_string(c.row_padding);
+    });
+
+// The per-expert bias: n = 0 and I = 0 with experts, one row, one expert, 64 to 1000 experts
+// (more experts than rows: most idle), rows past the last expert's (E not a multiple of 3),
+// padded bias rows, several blocks, every unit.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GatedUnitsBiasCu,
+    ::testing::Values(Case{0, 4, kGptOss, 0, 3}, Case{5, 0, kGptOss, 0, 2}, Case{1, 1, kSwiGLU, 0, 1},
+                      Case{1, 1, kGptOss, 0, 3}, Case{7, 5, kGptOss, 1, 1}, Case{37, 19, kGptOss, 3, 4},
+                      Case{37, 19, kSwiGLU, 2, 64}, Case{130, 33, kInterleavedSilu, 5, 65},
+                      Case{9, 257, kClampedHalves, 0, 3}, Case{3000, 3, kGptOss, 0, 300},
+                      Case{2999, 5, kSwiGLU, 1, 64}, Case{100, 8, kGptOss, 0, 1000},
+                      Case{513, 16, kClampedHalves, 2, 7}),
+    [](const auto& info) {
+      const Case& c = info.param;
+      return "n" + std::to_string(c.rows) + "_I" + std::to_string(c.width) + "_" + unit_name(c.unit) + "_pad" +
+             std::to_string(c.row_padding) + "_E" + std::to_string(c.experts);
     });
 
 }  // namespace

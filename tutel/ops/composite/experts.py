@@ -6,7 +6,8 @@ No host synchronisation: every size comes from the shapes and the integer argume
 can be captured in a CUDA graph.  ``group_by_expert`` is bit for bit the CPU operator's; the
 gated units compute the CPU operator's formula (csrc/core/gated_units.h) in the accumulation
 dtype (float32 for 16-bit data) and round once, so they agree with it to the exponential's
-rounding.
+rounding.  ``gated_unit``'s per-expert bias of rows grouped by expert (``bias``, ``offsets``) is
+added in that dtype too, each row's expert found by ``torch.searchsorted`` over the ends.
 """
 import math
 from typing import Optional, Tuple
@@ -69,6 +70,57 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: `up` must have the shape, dtype and device of `gate`")
 
 
+def _check_grouped_bias(gate_up: torch.Tensor, bias: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
+                        where: str) -> None:
+    """The checks of csrc/ops/gated_unit_args.cpp's checked_grouped_bias (offsets' order unchecked)."""
+    if (bias is None) != (offsets is None):
+        given = "`bias` without `offsets`" if offsets is None else "`offsets` without `bias`"
+        raise ValueError(f"{where}: `bias` and `offsets` must be given together, got {given}")
+    if bias is None:
+        return
+    if bias.dim() != 2:
+        raise ValueError(f"{where}: `bias` must be 2-D, got shape {tuple(bias.shape)}")
+    if bias.dtype != gate_up.dtype:
+        raise TypeError(f"{where}: `bias` must have dtype {gate_up.dtype}, got {bias.dtype}")
+    if bias.device != gate_up.device:
+        raise ValueError(f"{where}: `bias` is on {bias.device} but the data is on {gate_up.device}")
+    if bias.shape[1] != gate_up.shape[1]:
+        raise ValueError(f"{where}: `bias` must have shape [experts, {gate_up.shape[1]}] (a row of `gate_up`), "
+                         f"got {tuple(bias.shape)}")
+    if offsets.dim() != 1:
+        raise ValueError(f"{where}: `offsets` must be 1-D, got shape {tuple(offsets.shape)}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"{where}: `offsets` must have dtype torch.int32, got {offsets.dtype}")
+    if offsets.device != gate_up.device:
+        raise ValueError(f"{where}: `offsets` is on {offsets.device} but the data is on {gate_up.device}")
+    if offsets.shape[0] != bias.shape[0]:
+        raise ValueError(f"{where}: `offsets` must have one end per expert ([{bias.shape[0]}], the rows of "
+                         f"`bias`), got {tuple(offsets.shape)}")
+
+
+def row_experts(rows: int, offsets: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each grouped row's expert, the first e with offsets[e] > row (len(offsets)
+    past the last expert's rows); offsets [E] int32, non-decreasing."""
+    if rows < 2 ** 31:  # searched as int32, saving a conversion of the ends
+        return torch.searchsorted(offsets, torch.arange(rows, dtype=offsets.dtype, device=offsets.device),
+                                  right=True)
+    positions = torch.arange(rows, dtype=torch.int64, device=offsets.device)
+    return torch.searchsorted(offsets.to(torch.int64), positions, right=True)
+
+
+def add_grouped_bias(gate_up: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2I] plus each row's expert bias, in the accumulation dtype (no rounding to
+    gate_up's dtype in between); rows past the last expert's rows unchanged.  Differentiable in
+    both."""
+    values = _accumulation(gate_up)
+    experts = bias.shape[0]
+    if experts == 0:
+        return values
+    expert = row_experts(gate_up.shape[0], offsets)
+    picked = _accumulation(bias).index_select(0, expert.clamp(max=experts - 1))
+    return torch.where((expert < experts).unsqueeze(1), values + picked, values)
+
+
 def _split(gate_up: torch.Tensor, interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     if interleaved:
         return gate_up[:, 0::2], gate_up[:, 1::2]
@@ -90,14 +142,16 @@ def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]):
     return g, u
 
 
-def _forward(gate, up, alpha, up_offset, limit):
+def _forward(gate, up, alpha, up_offset, limit, dtype=None):
+    """h in `dtype` (default: the gates')."""
     g, u = _clamped(gate, up, limit)
     s = 1 / (1 + torch.exp(-alpha * g))
-    return ((u + up_offset) * (g * s)).to(gate.dtype)
+    return ((u + up_offset) * (g * s)).to(gate.dtype if dtype is None else dtype)
 
 
-def _backward(grad, gate, up, alpha, up_offset, limit):
-    """(d gate, d up) in the data's dtype, each passing only inside the closed clamp bounds."""
+def _backward(grad, gate, up, alpha, up_offset, limit, dtype=None):
+    """(d gate, d up) in `dtype` (default: the gates'), each passing only inside the closed
+    clamp bounds."""
     g, u = _clamped(gate, up, limit)
     dh = _accumulation(grad)
     s = 1 / (1 + torch.exp(-alpha * g))
@@ -107,28 +161,41 @@ def _backward(grad, gate, up, alpha, up_offset, limit):
         g_in, u_in = _accumulation(gate), _accumulation(up)
         dg = torch.where(g_in <= limit, dg, torch.zeros_like(dg))
         du = torch.where((u_in >= -limit) & (u_in <= limit), du, torch.zeros_like(du))
-    return dg.to(gate.dtype), du.to(gate.dtype)
+    dtype = gate.dtype if dtype is None else dtype
+    return dg.to(dtype), du.to(dtype)
+
+
+def _biased(gate_up: torch.Tensor, bias: Optional[torch.Tensor], offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    return gate_up if bias is None else add_grouped_bias(gate_up, bias, offsets)
 
 
 def gated_unit(gate_up: torch.Tensor, alpha: float, up_offset: float, limit: Optional[float],
-               interleaved: bool) -> torch.Tensor:
-    """h [n, I] = (u' + up_offset) * g' * sigmoid(alpha g') of gate_up [n, 2I], as tutel::gated_unit."""
+               interleaved: bool, bias: Optional[torch.Tensor] = None,
+               offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h [n, I] = (u' + up_offset) * g' * sigmoid(alpha g') of gate_up [n, 2I] (plus each row's
+    expert bias when bias [E, 2I] and offsets [E] int32 are given), as tutel::gated_unit."""
     where = "tutel::gated_unit"
     _check_unit(alpha, up_offset, limit, where)
     _check_gate_up(gate_up, where)
-    return _forward(*_split(gate_up, interleaved), alpha, up_offset, limit)
+    _check_grouped_bias(gate_up, bias, offsets, where)
+    values = _biased(gate_up, bias, offsets)
+    return _forward(*_split(values, interleaved), alpha, up_offset, limit, gate_up.dtype)
 
 
 def gated_unit_backward(grad: torch.Tensor, gate_up: torch.Tensor, alpha: float, up_offset: float,
-                        limit: Optional[float], interleaved: bool) -> torch.Tensor:
-    """d gate_up [n, 2I] (gate_up's layout) from d h [n, I], as tutel::gated_unit_backward."""
+                        limit: Optional[float], interleaved: bool, bias: Optional[torch.Tensor] = None,
+                        offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """d gate_up [n, 2I] (gate_up's layout) from d h [n, I], at the biased values when bias and
+    offsets are given, as tutel::gated_unit_backward."""
     where = "tutel::gated_unit_backward"
     _check_unit(alpha, up_offset, limit, where)
     _check_gate_up(gate_up, where)
     if grad.shape != (gate_up.shape[0], gate_up.shape[1] // 2) or grad.dtype != gate_up.dtype:
         raise ValueError(f"{where}: `grad` must have shape [{gate_up.shape[0]}, {gate_up.shape[1] // 2}] and "
                          f"dtype {gate_up.dtype}, got {tuple(grad.shape)} {grad.dtype}")
-    dg, du = _backward(grad, *_split(gate_up, interleaved), alpha, up_offset, limit)
+    _check_grouped_bias(gate_up, bias, offsets, where)
+    values = _biased(gate_up, bias, offsets)
+    dg, du = _backward(grad, *_split(values, interleaved), alpha, up_offset, limit, gate_up.dtype)
     if interleaved:
         return torch.stack((dg, du), dim=2).view(gate_up.shape)
     return torch.cat((dg, du), dim=1)
