@@ -242,3 +242,14 @@ __device__ void report_data_error(TutelErrorSink sink, int op, i64 tokens, i64 e
   __threadfence_system();
   *(volatile unsigned int*)sink.flag = 1u;
 }
+
+// The expert owning grouped row `row`: the first e with ends[e] > row, or `experts` when the row lies
+// past the last expert's rows (ends [experts] non-decreasing int32, each expert's end).
+__device__ __forceinline__ i64 expert_of_grouped_row(const int* ends, i64 experts, i64 row) {
+  i64 low = 0, high = experts;
+  while (low < high) {
+    const i64 mid = (low + high) >> 1;
+    if ((i64)ends[mid] > row) high = mid; else low = mid + 1;
+  }
+  return low;
+}
