@@ -196,6 +196,11 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     gate, up = gate_up[:, :model_dim].contiguous(), gate_up[:, model_dim:].contiguous()
     grad = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
     swiglu = (1.0, 0.0, None)
+    # the routed rows grouped by expert (equal groups), their biases, and each slot's choice
+    grouped = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
+    ends = (torch.arange(1, experts + 1) * (tokens * k // experts)).to(torch.int32).to(device)
+    bias = torch.randn(experts, model_dim, generator=generator).to(dtype).to(device)
+    slot_choices = torch.ops.tutel.group_by_expert(expert_ids.cpu(), experts)[1].to(device)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
@@ -207,6 +212,9 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
         "gated_unit_backward": lambda ops: ops.gated_unit_backward(grad, gate_up, *swiglu, False),
         "gated_unit_pair": lambda ops: ops.gated_unit_pair(gate, up, *swiglu),
         "gated_unit_pair_backward": lambda ops: ops.gated_unit_pair_backward(grad, gate, up, *swiglu),
+        "add_expert_bias_": lambda ops: ops.add_expert_bias_(grouped, bias, ends),
+        "expert_row_sums": lambda ops: ops.expert_row_sums(grouped, ends),
+        "choice_rows": lambda ops: ops.choice_rows(x, slot_choices, k),
     }
 
 

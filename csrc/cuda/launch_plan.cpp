@@ -76,6 +76,24 @@ GroupByExpertPlan plan_group_by_expert(int64_t tokens, int64_t k, int64_t expert
   return plan;
 }
 
+ExpertRowsPlan plan_expert_rows(int64_t rows, int64_t columns, int64_t element_size,
+                                std::initializer_list<const void*> row_pointers,
+                                std::initializer_list<int64_t> row_strides) {
+  const int64_t width = 16 / element_size;
+  ExpertRowsPlan plan;
+  plan.vector = columns % width == 0;
+  for (const void* pointer : row_pointers)
+    if (reinterpret_cast<uintptr_t>(pointer) % 16 != 0) plan.vector = false;
+  for (int64_t stride : row_strides)
+    if (stride % width != 0) plan.vector = false;
+  plan.grid = Grid{blocks_for(rows * (plan.vector ? columns / width : columns), TUTEL_BLOCK_THREADS), 1};
+  return plan;
+}
+
+Grid plan_expert_row_sums(int64_t experts, int64_t columns) {
+  return Grid{blocks_for(experts * columns, TUTEL_BLOCK_THREADS), 1};
+}
+
 Grid plan_gated_units(int64_t rows, int64_t width) {
   return Grid{blocks_for(rows * width, TUTEL_BLOCK_THREADS), 1};
 }

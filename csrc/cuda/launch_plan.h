@@ -85,6 +85,19 @@ struct GroupByExpertPlan {
 };
 GroupByExpertPlan plan_group_by_expert(int64_t tokens, int64_t k, int64_t experts);
 
+// ------------------------------------------------------- expert_rows.cu --
+// add_expert_bias and choice_rows: one thread per element of the [rows, columns] rows, or per
+// 16-byte vector of elements (`vector`) when the row length, every row pointer and every row
+// stride (in elements) allow it.  expert_row_sums: one thread per (expert, column) of its result.
+struct ExpertRowsPlan {
+  bool vector = false;
+  Grid grid;
+};
+ExpertRowsPlan plan_expert_rows(int64_t rows, int64_t columns, int64_t element_size,
+                                std::initializer_list<const void*> row_pointers,
+                                std::initializer_list<int64_t> row_strides);
+Grid plan_expert_row_sums(int64_t experts, int64_t columns);
+
 // ------------------------------------------------------- gated_units.cu --
 // gated_unit_forward / gated_unit_backward: one thread per unit of the [rows, width] result.
 Grid plan_gated_units(int64_t rows, int64_t width);

@@ -86,6 +86,21 @@ TORCH_LIBRARY(tutel, m) {
       "decode_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
       "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
       "bool interleaved, Tensor? gate_weight=None) -> Tensor");
+  // Rows grouped by expert: rows [N, C] whose rows offsets[e - 1] .. offsets[e] - 1 belong to expert e
+  // (offsets [E] int32, the non-decreasing end of each expert's rows, offsets[E - 1] <= N; the rows
+  // past it belong to no expert).  In place, rows[i] += bias[e(i)] (bias [E, C] in rows' dtype) in
+  // the accumulation dtype, rounded once; the rows of no expert are left as they are.  rows:
+  // elements contiguous within each row, any row stride.  CUDA: one launch, no host synchronisation
+  // (the CPU checks `offsets`, the kernel reads them as they are).
+  m.def("add_expert_bias_(Tensor(a!) rows, Tensor bias, Tensor offsets) -> ()");
+  // out [E, C] in rows' dtype: the sum of each expert's rows (a per-expert bias's gradient), in row
+  // order in the accumulation dtype (float32 for 16-bit data), 0 for an idle expert; the rows of no
+  // expert are ignored.  Deterministic.  CUDA: one launch.
+  m.def("expert_row_sums(Tensor rows, Tensor offsets) -> Tensor");
+  // out [N, H]: out[s] = x[slot_choices[s] // k] for x [T, H] and slot_choices [N] int64 in
+  // [0, T k) (group_by_expert's choice t k + j held by each slot): the token rows in the plan's
+  // slot order.  CUDA: one launch (a choice outside the range gives a zero row there; the CPU raises).
+  m.def("choice_rows(Tensor x, Tensor slot_choices, int k) -> Tensor");
   // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
   m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and

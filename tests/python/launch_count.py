@@ -52,6 +52,9 @@ CUDA_LAUNCHES = {
     "tutel.group_by_expert.default": 2,
     "tutel.route_experts.default": 2,
     "tutel.decode_experts.default": 2,
+    "tutel.add_expert_bias_.default": 1,
+    "tutel.expert_row_sums.default": 1,
+    "tutel.choice_rows.default": 1,
 }
 
 

@@ -135,3 +135,19 @@ def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias
 def _route_experts_backward(grad_weights, grad_loss, logits, expert_ids, counts, score_function, softmax_after_topk,
                             renormalize, routed_scaling_factor, with_loss):
     return torch.empty_like(logits)
+
+
+# add_expert_bias_ writes its rows in place and returns nothing.
+@register_fake("tutel::add_expert_bias_")
+def _add_expert_bias_(rows, bias, offsets):
+    return None
+
+
+@register_fake("tutel::expert_row_sums")
+def _expert_row_sums(rows, offsets):
+    return rows.new_empty((offsets.shape[0], rows.shape[1]))
+
+
+@register_fake("tutel::choice_rows")
+def _choice_rows(x, slot_choices, k):
+    return x.new_empty((slot_choices.shape[0], x.shape[1]))

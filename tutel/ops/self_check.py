@@ -13,7 +13,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
-             "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward")
+             "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "add_expert_bias_",
+             "expert_row_sums", "choice_rows")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
@@ -27,6 +28,17 @@ _UNITS = {"gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pa
 _UNIT_TOLERANCES = {torch.float64: dict(rtol=1e-13, atol=1e-13), torch.float32: dict(rtol=1e-5, atol=1e-5),
                     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 _UNIT_DIFFERING = 0.5
+# The experts' row sums, summed in another order by the composite operator (index_add_, atomics on
+# CUDA): to the accumulation dtype's rounding of sums of up to a few thousand values of size ~1
+# (FULL_SIZES), then one rounding to the data dtype.
+_ROW_SUMS = "expert_row_sums"
+_ROW_SUM_TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-3),
+                       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+# Operators that write their result into an argument (its number) and return nothing.
+_IN_PLACE = {"add_expert_bias_": 0}
+# Operators whose arguments keep their strides on the device they are moved to (row-strided views
+# are what these read in place), each call getting its own copy (the in-place one writes it).
+_LAYOUT_KEPT = {"add_expert_bias_", "expert_row_sums", "choice_rows"}
 
 
 class Case(NamedTuple):
@@ -78,6 +90,7 @@ def _distinct_slots(s: Sizes, generator: torch.Generator) -> Tuple[torch.Tensor,
 
 def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
     g = torch.Generator().manual_seed(seed)
+    rows_generator = torch.Generator().manual_seed(seed + 1)  # the grouped rows' cases draw from their own
 
     def randn(*shape, dtype):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -113,6 +126,7 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
                 yield Case("scatter_slots", f"{slot_tag} {weighted} distinct slots",
                            (src, *distinct, w, None, s.experts, s.capacity))
         yield from _expert_cases(s, tag, g)
+        yield from _expert_row_cases(s, tag, rows_generator)
         yield Case("assign_locations", f"{tag} token order",
                    (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
         for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
@@ -170,8 +184,47 @@ def _expert_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
             yield Case("gated_unit_backward", unit, (grad, gate_up, alpha, offset, limit, interleaved, bias, ends))
 
 
-def _to(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+def _grouped_ends(rows: int, experts: int, generator: torch.Generator) -> torch.Tensor:
+    """[experts] int32 non-decreasing ends within [0, rows]: random group sizes, about a quarter of
+    the experts idle, and a random number of rows past the last expert's."""
+    weights = torch.rand(experts, generator=generator) * (torch.rand(experts, generator=generator) > 0.25)
+    used = int(torch.randint(0, rows + 1, (1,), generator=generator)) if rows else 0
+    shares = weights / weights.sum() if float(weights.sum()) > 0 else torch.zeros(experts)
+    return (shares.cumsum(0) * used).floor().clamp(max=used).to(torch.int32)
+
+
+def _expert_row_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
+    """add_expert_bias_, expert_row_sums (grouped rows [T k, model_dim] as a row-strided view,
+    idle experts, rows past the last expert's) and choice_rows (group_by_expert's slot choices)."""
+    rows, width = s.tokens * s.k, s.model_dim
+    choices = torch.randperm(rows, generator=g)  # a permutation, as group_by_expert's slot choices are
+    for dtype in DATA_DTYPES:
+        name = str(dtype).replace("torch.", "")
+        label = f"{name} {tag} rows={rows} columns={width}"
+        ends = _grouped_ends(rows, s.experts, g)
+        grouped = torch.randn(rows, width + 3, generator=g).to(dtype)[:, :width]
+        yield Case("add_expert_bias_", label, (grouped, torch.randn(s.experts, width, generator=g).to(dtype), ends))
+        yield Case("expert_row_sums", label, (grouped, ends))
+        tokens = torch.randn(s.tokens, width + 1, generator=g).to(dtype)[:, :width]
+        yield Case("choice_rows", label, (tokens, choices, s.k))
+
+
+def _to(value, device: torch.device, keep_layout: bool = False):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not keep_layout:
+        return value.to(device)
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    return copy.copy_(value)
+
+
+def _call(implementation, case: Case, device: torch.device) -> tuple:
+    """The outputs of one call of the case's operator (an in-place operator's written argument)."""
+    args = [_to(a, device, case.operator in _LAYOUT_KEPT) for a in case.args]
+    outputs = getattr(implementation, case.operator)(*args)
+    if case.operator in _IN_PLACE:
+        return (args[_IN_PLACE[case.operator]],)
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
 def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tensor) -> Optional[str]:
@@ -180,6 +233,11 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
     if operator in _UNITS:
         return _compare_unit_values(number, expected, got)
+    if operator == _ROW_SUMS:
+        close = torch.isclose(got, expected, equal_nan=True, **_ROW_SUM_TOLERANCES[expected.dtype])
+        if bool(close.all()):
+            return None
+        return f"output {number}: {int((~close).sum())} of {close.numel()} row sums differ beyond rounding"
     if (operator, number) in _REDUCTIONS:
         close = torch.isclose(got, expected, equal_nan=True, **_DOT_TOLERANCES[expected.dtype])
         if bool(close.all()):
@@ -223,14 +281,12 @@ def compare_operators(fast, reference, device: torch.device, sizes: Sequence[Siz
     for case in _cases(sizes, seed):
         if case.operator not in failures or failures[case.operator] is not None:
             continue
-        expected = getattr(reference, case.operator)(*[_to(a, reference_device) for a in case.args])
+        expected = _call(reference, case, reference_device)
         try:
-            got = getattr(fast, case.operator)(*[_to(a, device) for a in case.args])
+            got = _call(fast, case, device)
         except Exception as error:  # noqa: BLE001  (any failure of the fast path means: do not use it)
             failures[case.operator] = f"{case.label}: raised {type(error).__name__}: {str(error).splitlines()[0]}"
             continue
-        expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-        got = got if isinstance(got, (tuple, list)) else (got,)
         if len(expected) != len(got):
             failures[case.operator] = f"{case.label}: {len(got)} outputs instead of {len(expected)}"
             continue

@@ -7,18 +7,24 @@ several choices summed in (choice, token) order, float32 accumulation for 16-bit
 data.  They run on any device PyTorch supports, so they stand in for the CUDA
 kernels where those cannot be compiled or loaded, or disagree with them (see
 ``tutel.ops.backend``).  Moves, counts and slots are bit for bit those of the
-compiled operators; dot products and floating-point cumsums are reductions that
-may be summed in another order.
+compiled operators; dot products, floating-point cumsums and the experts' row
+sums are reductions that may be summed in another order.
 
-Unlike the CUDA kernels, these check caller-made indices and locations at once,
-which synchronises with the host; so do the data-dependent sizes of
-``scatter_slots``.  They therefore cannot be captured in a CUDA graph.
+``add_expert_bias_`` works in place and returns None, as the operator does.
+
+Unlike the CUDA kernels, the routing and slot operators check caller-made
+indices and locations at once, which synchronises with the host; so do the
+data-dependent sizes of ``scatter_slots``.  They therefore cannot be captured
+in a CUDA graph.  The experts' operators (experts.py, expert_rows.py) read no
+value back and can.
 """
 from .cumsum import cumsum_sub_one
 from .experts import (gated_unit, gated_unit_backward, gated_unit_pair, gated_unit_pair_backward,
                       group_by_expert)
+from .expert_rows import add_expert_bias_, choice_rows, expert_row_sums
 from .routing import assign_locations, route_topk
 from .slots import gather_slots, scatter_slots
 
-__all__ = ["assign_locations", "cumsum_sub_one", "gated_unit", "gated_unit_backward", "gated_unit_pair",
-           "gated_unit_pair_backward", "gather_slots", "group_by_expert", "route_topk", "scatter_slots"]
+__all__ = ["add_expert_bias_", "assign_locations", "choice_rows", "cumsum_sub_one", "expert_row_sums", "gated_unit",
+           "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "gather_slots", "group_by_expert",
+           "route_topk", "scatter_slots"]
