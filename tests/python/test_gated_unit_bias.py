@@ -14,7 +14,9 @@ import torch
 import tutel  # noqa: F401  (loads the operators)
 from tutel.ops import composite
 from tutel.ops.backend import use_operators
-from tutel.ops.gated_units import SWIGLU, GatedUnit, _expert_sums, gated_unit
+from tutel.ops.gated_units import SWIGLU, GatedUnit, gated_unit
+
+from test_gated_units import split
 
 UNIT_ROUNDING = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11,
                  torch.float64: 2.0 ** -53}
@@ -27,13 +29,6 @@ UNITS = {
     "clamped_halves": GatedUnit(1.702, 1.0, 7.0, interleaved=False),
     "swiglu_interleaved": GatedUnit(interleaved=True),
 }
-
-
-def split(values, interleaved):
-    if interleaved:
-        return values[:, 0::2], values[:, 1::2]
-    width = values.shape[1] // 2
-    return values[:, :width], values[:, width:]
 
 
 def experts_of_rows(rows, offsets):
@@ -233,24 +228,6 @@ def test_composite_fallback_of_the_wrapper_matches_the_reference(dtype):
     case = make_case(45, 12, 70, dtype, unit, seed=6)
     with use_operators("composite"):
         check_gated_unit(*case, unit, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,experts", [(0, 3), (1, 1), (10, 1), (50, 4), (200, 64), (77, 100)])
-def test_expert_sums_are_the_per_expert_row_sums(dtype, rows, experts):
-    g = torch.Generator().manual_seed(rows + experts)
-    grad = torch.randn(rows, 6, generator=g, dtype=torch.float64).to(dtype)
-    ends = torch.randint(0, rows + 1, (experts,), generator=g).sort().values.to(torch.int32)
-    sums = _expert_sums(grad, ends, experts)
-    assert sums.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert sums.shape == (experts, 6)
-    want = torch.zeros(experts, 6, dtype=torch.float64)
-    start = 0
-    for e in range(experts):  # expert e's rows: from the previous end (or 0) to its own
-        end = int(ends[e])
-        want[e] = grad[start:end].double().sum(0)
-        start = max(start, end)
-    torch.testing.assert_close(sums.double(), want, rtol=1e-6 if dtype != torch.float64 else 1e-12, atol=1e-5)
 
 
 def test_bad_bias_arguments_raise_errors_naming_them():

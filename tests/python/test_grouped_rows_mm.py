@@ -24,13 +24,7 @@ def reference(rows, weight, counts, transposed, bias=None):
     return out
 
 
-def _row_experts(counts, tail):
-    """The expert of each row, written out by the test: expert e's counts[e] rows, then E for the tail."""
-    experts = [e for e, count in enumerate(counts) for _ in range(count)] + [len(counts)] * tail
-    return torch.tensor(experts, dtype=torch.int64)
-
-
-def _check_against_reference(dtype, transposed, counts, tail, size, with_bias, row_experts=None):
+def _check_against_reference(dtype, transposed, counts, tail, size, with_bias):
     k_dim, o_dim = size
     gen = torch.Generator().manual_seed(sum(counts) + tail + k_dim)
     total = sum(counts) + tail
@@ -41,7 +35,7 @@ def _check_against_reference(dtype, transposed, counts, tail, size, with_bias, r
         if with_bias else None
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
 
-    out = grouped_rows_mm(rows, weight, offsets, transposed, bias, row_experts=row_experts)
+    out = grouped_rows_mm(rows, weight, offsets, transposed, bias)
     rows64, weight64 = rows.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     bias64 = bias.detach().double().requires_grad_() if with_bias else None
     want = reference(rows64, weight64, counts, transposed, bias64)
@@ -49,8 +43,8 @@ def _check_against_reference(dtype, transposed, counts, tail, size, with_bias, r
     assert out.dtype == dtype and out.shape == want.shape
     torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol)
     with torch.no_grad():  # the direct path, without the custom operator
-        torch.testing.assert_close(grouped_rows_mm(rows, weight, offsets, transposed, bias,
-                                                   row_experts=row_experts).double(), want, rtol=rtol, atol=atol)
+        torch.testing.assert_close(grouped_rows_mm(rows, weight, offsets, transposed, bias).double(), want,
+                                   rtol=rtol, atol=atol)
 
     grad = torch.randn(want.shape, generator=gen, dtype=torch.float64)
     inputs = (rows, weight) + ((bias,) if with_bias else ())
@@ -81,19 +75,6 @@ def test_matches_loop_reference(dtype, transposed, counts, tail, size, with_bias
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_grouped_mm_path_matches_loop_reference(device_grouped_mm_path, dtype, transposed, counts, tail, with_bias):
     _check_against_reference(dtype, transposed, counts, tail, (16, 8), with_bias)
-
-
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("counts,tail", CASES)
-def test_grouped_mm_path_takes_the_callers_row_experts(device_grouped_mm_path, transposed, counts, tail):
-    """The bias rows picked by the caller's row-to-expert map (a routing plan's sorted ids) instead of
-    a search of the offsets: the same values and gradients; and the map is really what is read."""
-    row_experts = _row_experts(counts, tail)
-    _check_against_reference(torch.float32, transposed, counts, tail, (16, 8), True, row_experts)
-    if len(counts) > 1 and sum(counts) > counts[0]:
-        with pytest.raises(AssertionError):  # every row given expert 0's bias: wrong rows
-            _check_against_reference(torch.float32, transposed, counts, tail, (16, 8), True,
-                                     torch.zeros_like(row_experts))
 
 
 @pytest.mark.parametrize("path", ["default", "grouped_mm"])

@@ -10,7 +10,6 @@ from ..ops import expert_linear
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import widened
 from ._grouped import flatten_features, run_padded
-from .routed import plan_row_experts
 
 
 class FusedExpertsNetwork(torch.nn.Module):
@@ -132,12 +131,10 @@ class FusedExpertsNetwork(torch.nn.Module):
         fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else widened(p, dtype) for p in self.weights_for(ctx))
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
-            # Only the plan's kept rows are read back (zero_tail=False); the bias rows of both
-            # products are picked by one row-to-expert map.
-            experts = plan_row_experts(plan, rows.shape[0]) if fc1_b is not None or fc2_b is not None else None
-            h = grouped_rows_mm(rows, fc1_w, plan.offsets, bias=fc1_b, zero_tail=False, row_experts=experts)
+            # Only the plan's kept rows are read back (zero_tail=False).
+            h = grouped_rows_mm(rows, fc1_w, plan.offsets, bias=fc1_b, zero_tail=False)
             return grouped_rows_mm(self._activate_output(h), fc2_w, plan.offsets, transposed=True, bias=fc2_b,
-                                   zero_tail=False, row_experts=experts)
+                                   zero_tail=False)
 
         return run, fc1_w.shape[1] * fc1_w.element_size()
 

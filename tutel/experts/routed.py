@@ -53,7 +53,7 @@ from ..ops.backend import operators_for
 from ..ops.decode_experts import decode_experts, decode_experts_supported
 from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
-from ..ops.grouped_mm import expert_of_rows, grouped_rows_mm
+from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm
 from ..ops.precision import gemm_dtype, widened
 from ..ops.tracing import direct_call_allowed, is_compiling
 from ..rules.paths import EXPERTS, Path, choose_path
@@ -72,12 +72,6 @@ class RoutingPlan(NamedTuple):
     sorted_ids: Optional[torch.Tensor]  # [N] expert of each slot (E for the dropped ones, which sort last)
     counts: torch.Tensor  # [E] int64 rows per expert
     offsets: torch.Tensor  # [E] int32 end of each expert's rows
-
-
-def plan_row_experts(plan: RoutingPlan, rows: int) -> torch.Tensor:
-    """[rows] int64 the expert of each grouped row of `plan` (E past the kept ones): the plan's own
-    sorted_ids, else found from its offsets on their device (tutel.ops.grouped_mm.expert_of_rows)."""
-    return plan.sorted_ids if plan.sorted_ids is not None else expert_of_rows(plan.offsets, rows)
 
 
 def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
@@ -104,11 +98,16 @@ class _ExpertsCall(NamedTuple):
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);
         the rows past the kept ones hold anything (decode and the pieces read only the kept rows,
-        and their gradients flow back only into them).  The biases ride in the grouped products."""
-        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed, self.up_bias, zero_tail=False,
-                                 row_experts=plan.sorted_ids)
+        and their gradients flow back only into them).  The biases ride in the grouped products,
+        except a gated unit's up bias where the product would add it in a launch of its own
+        (beside grouped_mm, on devices): the unit's kernel adds it instead."""
+        unit_bias = self.up_bias if self.gate is not None and self.up_bias is not None and \
+            bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
+        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
+                                 self.up_bias if unit_bias is None else None, zero_tail=False)
         if self.gate is not None:
-            hidden = gated_unit(hidden, self.gate)
+            hidden = gated_unit(hidden, self.gate, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
+                                offsets=None if unit_bias is None else plan.offsets)
         elif self.gate_fn is not None:
             hidden = self.gate_fn(hidden)
         else:
@@ -116,7 +115,7 @@ class _ExpertsCall(NamedTuple):
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
         out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
-                              zero_tail=False, row_experts=plan.sorted_ids)
+                              zero_tail=False)
         return out if self.post_fn is None else self.post_fn(out)
 
 
@@ -366,7 +365,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
     if path is Path.EXPERTS_PIECES:
         return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
-    rows = ops.encode(x, plan.indices, plan.locations, 1, total).view(total, x.shape[1])
+    rows = ops.encode_grouped(x, plan.slot_choices, plan.locations)
     out = experts(rows, plan)
     out = out.reshape(1, total, out.shape[-1])
     y = ops.decode(out, plan.indices, plan.locations, gates=None if weights is None else weights.t())

@@ -6,7 +6,7 @@ The expert buffer is ``[num_experts, capacity, model_dim]``.
 """
 from . import fake as _fake  # noqa: F401  (registers shape functions for torch.compile)
 from .cumsum import cumsum_sub_one
-from .dispatch import decode, encode
+from .dispatch import decode, encode, encode_grouped
 from .linear import expert_linear
 from .routing import RoutingResult, assign_locations, route_topk
 
@@ -16,6 +16,7 @@ __all__ = [
     "cumsum_sub_one",
     "decode",
     "encode",
+    "encode_grouped",
     "expert_linear",
     "route_topk",
 ]

@@ -67,6 +67,39 @@ class _Decode(torch.autograd.Function):
                 _in_dtype_of(grad_gates, gates) if y is not None else None)
 
 
+class _CopyChoiceRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot_choices, locations):
+        ctx.save_for_backward(locations)
+        return operators_for(x.device).choice_rows(x, slot_choices, locations.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        locations, = ctx.saved_tensors
+        grad_rows = grad_rows.contiguous()
+        grad_x, _ = operators_for(grad_rows.device).gather_slots(grad_rows.view(1, *grad_rows.shape), None,
+                                                                  locations, None, None)
+        return grad_x, None, None
+
+
+def encode_grouped(x: torch.Tensor, slot_choices: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
+    """The grouped rows of a routing plan (tutel.experts.routed.RoutingPlan) copied from the tokens:
+    row s is ``x[slot_choices[s] // k]``, one launch of tutel's ``choice_rows`` (``encode`` with
+    ``indices=None`` takes two: it must first find which choice names each slot, which the plan's
+    ``slot_choices`` already say).  Differentiable in `x`: each token's gradient is the sum of its
+    kept choices' rows (``decode`` without gates, in choice order: deterministic).
+
+    Args:
+        x: [T, M] token rows.
+        slot_choices: [N] int64, the choice (t * k + j) each grouped row holds, every value in
+            [0, T * k) (the dropped choices' rows too, which nobody reads).
+        locations: [k, T] int32, the grouped row of each choice, N (or more) for dropped ones.
+
+    Returns:
+        [N, M] in x's dtype."""
+    return _CopyChoiceRows.apply(x, slot_choices, locations)
+
+
 def _in_dtype_of(grad_gates: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """The gates' gradient, accumulated by the operators in the data's accumulation dtype, in the
     gates' own dtype (as autograd expects; no copy when they already agree)."""

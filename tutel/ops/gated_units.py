@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from .backend import operators_for
-from .checks import accumulation_dtype, require_floating, require_tensor
-from .composite.experts import add_grouped_bias, row_experts
+from .checks import require_floating, require_tensor
+from .composite.experts import add_grouped_bias
 from .tracing import eager_without_grad
 
 class GatedUnit(NamedTuple):
@@ -139,19 +139,6 @@ def _check_grouped_bias(gate_up: torch.Tensor, bias: Optional[torch.Tensor], off
             raise ValueError(f"{where}: `{name}` is on {value.device} but `gate_up` is on {gate_up.device}")
 
 
-def _expert_sums(grad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
-    """The per-expert sums of grouped rows: [experts, width] in the accumulation dtype (float32;
-    float64 for float64 rows), row e the sum of grad's rows [offsets[e - 1], offsets[e])
-    (from 0 for e = 0, as gated_unit assigns rows to experts); rows past offsets[-1] count in
-    none.  The bias gradient of gated_unit: composed from PyTorch operators, without host
-    synchronisation (every size from the shapes)."""
-    acc = accumulation_dtype(grad.dtype)
-    expert = row_experts(grad.shape[0], offsets)  # `experts` for rows past the last expert's
-    sums = grad.new_zeros((experts + 1, grad.shape[1]), dtype=acc)
-    sums.index_add_(0, expert, grad.to(acc))
-    return sums[:experts]
-
-
 def fused_unit_on(device: torch.device, operator: str = "gated_unit") -> bool:
     """Whether tutel's `operator` (gated_unit or gated_unit_pair, with its backward) runs on
     `device`: on CPU always, on CUDA where the kernels were chosen (tutel.ops.backend: fake CUDA
@@ -195,7 +182,8 @@ def _backward(ctx, grad):
     grad_gate_up = torch.ops.tutel.gated_unit_backward(grad, gate_up, *ctx.unit, bias, offsets)
     grad_bias = None
     if bias is not None and ctx.needs_input_grad[5]:
-        grad_bias = _expert_sums(grad_gate_up, offsets, bias.shape[0]).to(bias.dtype)
+        # The per-expert sums of d gate_up (float32 accumulation), one launch on CUDA.
+        grad_bias = operators_for(grad_gate_up.device).expert_row_sums(grad_gate_up, offsets)
     return grad_gate_up, None, None, None, None, grad_bias, None
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
-from .backend import cuda_capability
+from .backend import cuda_capability, operators_for
 from .tracing import eager_without_grad, is_fake
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,27 +75,21 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type != "cpu" and a.shape[0] > 0 and grouped_mm_supports(a, b)
 
 
-def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: the expert each of `rows` grouped rows belongs to (E for the rows past the last
-    group), on the offsets' device without reading them back (two launches on a device)."""
-    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, positions, right=True)
-
-
-def _row_experts(offsets: torch.Tensor, rows: int, row_experts: Optional[torch.Tensor]) -> torch.Tensor:
-    """The expert of each row: the caller's, else searched in the offsets."""
-    return expert_of_rows(offsets, rows) if row_experts is None else row_experts
+def bias_costs_a_launch(rows: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
+    """Whether grouped_rows_mm(rows, weight, ..., bias=) would add the bias in a launch of its own
+    (beside grouped_mm, on devices) instead of inside the products (the CPU's GEMMs, the
+    per-expert loop's addmm): a caller whose next kernel can take the bias for free (the gated
+    unit) passes it there instead."""
+    return _use_grouped_mm(rows, _right(weight, transposed))
 
 
 def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-             bias: Optional[torch.Tensor] = None, zero_tail: bool = True,
-             row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
     right = _right(weight, transposed)
     if _use_grouped_mm(rows, right):
         out = F.grouped_mm(rows, right, offs=offsets)
-        if bias is not None:  # the rows past the last group take zeros (zero_tail below)
-            out = out.add_(F.pad(bias, (0, 0, 0, 1)).index_select(0, _row_experts(offsets, rows.shape[0],
-                                                                                    row_experts)))
+        if bias is not None:  # one launch: each row's expert found in the offsets (the tail untouched)
+            operators_for(out.device).add_expert_bias_(out, bias, offsets)
         return _zero_tail(out, offsets) if zero_tail else out
     counts = _counts(offsets)
     kept = sum(counts)
@@ -109,8 +103,7 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
 
 
 def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-              need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True,
-              row_experts: Optional[torch.Tensor] = None
+              need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True
               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
     right = _right(weight, transposed)
@@ -121,11 +114,8 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
             # 2-D x 2-D grouped product: one [K, O] (or [O, K]) block per expert, zero for idle ones.
             grad_weight = F.grouped_mm(rows.t(), grad, offs=offsets) if transposed \
                 else F.grouped_mm(grad.t(), rows, offs=offsets)
-        if need_bias:  # per-expert sums of the gradient rows in float32 (rows past the last group: row E)
-            experts = offsets.shape[0]
-            sums = grad.new_zeros((experts + 1, grad.shape[1]), dtype=torch.float32)
-            sums.index_add_(0, _row_experts(offsets, grad.shape[0], row_experts), grad.float())
-            grad_bias = sums[:experts].to(grad.dtype)
+        if need_bias:  # per-expert sums of the gradient rows, in float32, in one launch
+            grad_bias = operators_for(grad.device).expert_row_sums(grad, offsets)
         if grad_rows is not None and zero_tail:
             grad_rows = _zero_tail(grad_rows, offsets)
         return grad_rows, grad_weight, grad_bias
@@ -146,23 +136,21 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
 
 @torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())
 def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-                     bias: Optional[torch.Tensor] = None, zero_tail: bool = True,
-                     row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _forward(rows, weight, offsets, transposed, bias, zero_tail, row_experts)
+                     bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
+    return _forward(rows, weight, offsets, transposed, bias, zero_tail)
 
 
 @_grouped_rows_mm.register_fake
-def _grouped_rows_mm_fake(rows, weight, offsets, transposed, bias=None, zero_tail=True, row_experts=None):
+def _grouped_rows_mm_fake(rows, weight, offsets, transposed, bias=None, zero_tail=True):
     return rows.new_empty((rows.shape[0], weight.shape[2] if transposed else weight.shape[1]))
 
 
 @torch.library.custom_op("tutel::grouped_rows_mm_backward", mutates_args=())
 def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                               transposed: bool, need_rows: bool, need_weight: bool,
-                              need_bias: bool, zero_tail: bool = True,
-                              row_experts: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                              need_bias: bool, zero_tail: bool = True) -> List[torch.Tensor]:
     grad_rows, grad_weight, grad_bias = _backward(grad, rows, weight, offsets, transposed, need_rows, need_weight,
-                                                  need_bias, zero_tail, row_experts)
+                                                  need_bias, zero_tail)
     return [rows.new_empty((0,)) if grad_rows is None else grad_rows,
             weight.new_empty((0,)) if grad_weight is None else grad_weight,
             grad.new_empty((0,)) if grad_bias is None else grad_bias]
@@ -170,7 +158,7 @@ def _grouped_rows_mm_backward(grad: torch.Tensor, rows: torch.Tensor, weight: to
 
 @_grouped_rows_mm_backward.register_fake
 def _grouped_rows_mm_backward_fake(grad, rows, weight, offsets, transposed, need_rows, need_weight, need_bias,
-                                   zero_tail=True, row_experts=None):
+                                   zero_tail=True):
     outputs = weight.shape[2] if transposed else weight.shape[1]
     return [rows.new_empty(rows.shape if need_rows else (0,)), weight.new_empty(weight.shape if need_weight else (0,)),
             grad.new_empty((weight.shape[0], outputs) if need_bias else (0,))]
@@ -181,7 +169,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rows, weight, offsets)
     ctx.transposed = transposed
     ctx.zero_tail = inputs[5] if len(inputs) > 5 else True
-    ctx.row_experts = inputs[6] if len(inputs) > 6 else None
 
 
 def _autograd_backward(ctx, grad):
@@ -189,10 +176,9 @@ def _autograd_backward(ctx, grad):
     needs = ctx.needs_input_grad  # a bias left at its default is not among the inputs
     need_rows, need_weight, need_bias = needs[0], needs[1], len(needs) > 4 and needs[4]
     grad_rows, grad_weight, grad_bias = torch.ops.tutel.grouped_rows_mm_backward(
-        grad, rows, weight, offsets, ctx.transposed, need_rows, need_weight, need_bias, ctx.zero_tail,
-        ctx.row_experts)
+        grad, rows, weight, offsets, ctx.transposed, need_rows, need_weight, need_bias, ctx.zero_tail)
     grads = (grad_rows if need_rows else None, grad_weight if need_weight else None, None, None,
-             grad_bias if need_bias else None, None, None)
+             grad_bias if need_bias else None, None)
     return grads[:len(needs)]
 
 
@@ -201,7 +187,7 @@ _grouped_rows_mm.register_autograd(_autograd_backward, setup_context=_setup_cont
 
 def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                     transposed: bool = False, bias: Optional[torch.Tensor] = None, *,
-                    zero_tail: bool = True, row_experts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    zero_tail: bool = True) -> torch.Tensor:
     """[N, K] rows sorted by expert times their expert's matrix (+ its bias) -> [N, O] (see the
     module docstring).
 
@@ -212,14 +198,12 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         transposed: the weight's layout.
         bias: [E, O] in the weight's dtype, added to each expert's rows (not to the rows past
             offsets[-1], which stay zero and send it no gradient); on CPU it rides in the
-            products (the GEMM's addmm, the skinny products' sums) instead of a pass over [N, O].
+            products (the GEMM's addmm, the skinny products' sums), on devices beside grouped_mm it
+            is one launch of tutel's ``add_expert_bias_`` (and its gradient one of
+            ``expert_row_sums``), each row's expert found in the offsets.
         zero_tail: False leaves the result rows past offsets[-1], and the gradient of those rows,
             unspecified (any values, NaN included) instead of zero; for callers that never read
             them.  The rows of the experts and every other gradient are the same either way.
-        row_experts: optional [N] int64, the expert of each row (E for the rows past offsets[-1]),
-            as a routing plan has it (tutel.experts.routed.RoutingPlan.sorted_ids): on devices the
-            bias rows are then picked by it instead of a search of the offsets (two launches
-            fewer per call).  Ignored without a bias.
     """
     offsets = offsets.to(torch.int32)
     if bias is not None and bias.dtype != rows.dtype:
@@ -227,9 +211,7 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     if eager_without_grad(rows, weight, bias):
         # Nothing to trace or differentiate: skip the custom operator's dispatch (a tenth of a
         # millisecond, as much as a decoding step's product of a small expert).
-        return _forward(rows, weight, offsets, bool(transposed), bias, bool(zero_tail), row_experts)
-    if bias is None:
-        row_experts = None
-    if zero_tail and row_experts is None:  # the operator's defaults: its schema and traces stay as they were
+        return _forward(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))
+    if zero_tail:  # the operator's defaults: its schema and traces stay as they were
         return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias)
-    return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias, bool(zero_tail), row_experts)
+    return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))

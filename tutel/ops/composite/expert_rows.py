@@ -14,6 +14,8 @@ compiled operators'; ``expert_row_sums`` adds in the accumulation dtype in ``ind
 import torch
 import torch.nn.functional as F
 
+from .experts import check_offsets, row_experts
+
 
 def _check_rows(rows: torch.Tensor, name: str, where: str) -> None:
     if rows.dim() != 2:
@@ -22,28 +24,13 @@ def _check_rows(rows: torch.Tensor, name: str, where: str) -> None:
         raise TypeError(f"{where}: `{name}` must be float32, float64, bfloat16 or float16, got {rows.dtype}")
 
 
-def _check_offsets(offsets: torch.Tensor, rows: torch.Tensor, where: str) -> None:
-    if offsets.dim() != 1:
-        raise ValueError(f"{where}: `offsets` must be 1-D, got shape {tuple(offsets.shape)}")
-    if offsets.dtype != torch.int32:
-        raise TypeError(f"{where}: `offsets` must have dtype torch.int32, got {offsets.dtype}")
-    if offsets.device != rows.device:
-        raise ValueError(f"{where}: `offsets` is on {offsets.device} but the data is on {rows.device}")
-
-
-def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: each grouped row's expert, E for the rows past the last expert's rows."""
-    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, positions, right=True)
-
-
 def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor) -> None:
     """rows[i] += bias[e(i)] in place for the rows of some expert (rows [N, C], bias [E, C] in
     rows' dtype), as tutel::add_expert_bias_: the addition of two tensors of one dtype, which
     PyTorch computes in the accumulation dtype and rounds once.  Returns None, like the operator."""
     where = "tutel::add_expert_bias_"
     _check_rows(rows, "rows", where)
-    _check_offsets(offsets, rows, where)
+    check_offsets(offsets, rows, where)
     if bias.dtype != rows.dtype:
         raise TypeError(f"{where}: `bias` must have dtype {rows.dtype}, got {bias.dtype}")
     if bias.device != rows.device:
@@ -54,7 +41,7 @@ def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tens
     # The rows of no expert take the extra row of -0.0: x + -0.0 is x for every x, -0.0 and NaN
     # included (a +0.0 row would turn their -0.0 into +0.0), so they keep their bits.
     padded = F.pad(bias, (0, 0, 0, 1), value=-0.0)
-    rows.add_(padded.index_select(0, _row_experts(offsets, rows.shape[0])))
+    rows.add_(padded.index_select(0, row_experts(rows.shape[0], offsets)))
 
 
 def expert_row_sums(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -63,12 +50,12 @@ def expert_row_sums(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     tutel::expert_row_sums."""
     where = "tutel::expert_row_sums"
     _check_rows(rows, "rows", where)
-    _check_offsets(offsets, rows, where)
+    check_offsets(offsets, rows, where)
     experts = offsets.shape[0]
     accumulation = torch.float64 if rows.dtype == torch.float64 else torch.float32
     # Row E gathers the rows of no expert and is dropped.
     sums = rows.new_zeros((experts + 1, rows.shape[1]), dtype=accumulation)
-    sums.index_add_(0, _row_experts(offsets, rows.shape[0]), rows.to(accumulation))
+    sums.index_add_(0, row_experts(rows.shape[0], offsets), rows.to(accumulation))
     return sums[:experts].to(rows.dtype)
 
 

@@ -87,15 +87,21 @@ def _check_grouped_bias(gate_up: torch.Tensor, bias: Optional[torch.Tensor], off
     if bias.shape[1] != gate_up.shape[1]:
         raise ValueError(f"{where}: `bias` must have shape [experts, {gate_up.shape[1]}] (a row of `gate_up`), "
                          f"got {tuple(bias.shape)}")
+    check_offsets(offsets, gate_up, where)
+    if offsets.shape[0] != bias.shape[0]:
+        raise ValueError(f"{where}: `offsets` must have one end per expert ([{bias.shape[0]}], the rows of "
+                         f"`bias`), got {tuple(offsets.shape)}")
+
+
+def check_offsets(offsets: torch.Tensor, data: torch.Tensor, where: str) -> None:
+    """ValueError / TypeError (from `where`) unless `offsets` is a 1-D int32 tensor on `data`'s
+    device (the group ends of rows grouped by expert; their values are not read)."""
     if offsets.dim() != 1:
         raise ValueError(f"{where}: `offsets` must be 1-D, got shape {tuple(offsets.shape)}")
     if offsets.dtype != torch.int32:
         raise TypeError(f"{where}: `offsets` must have dtype torch.int32, got {offsets.dtype}")
-    if offsets.device != gate_up.device:
-        raise ValueError(f"{where}: `offsets` is on {offsets.device} but the data is on {gate_up.device}")
-    if offsets.shape[0] != bias.shape[0]:
-        raise ValueError(f"{where}: `offsets` must have one end per expert ([{bias.shape[0]}], the rows of "
-                         f"`bias`), got {tuple(offsets.shape)}")
+    if offsets.device != data.device:
+        raise ValueError(f"{where}: `offsets` is on {offsets.device} but the data is on {data.device}")
 
 
 def row_experts(rows: int, offsets: torch.Tensor) -> torch.Tensor:
