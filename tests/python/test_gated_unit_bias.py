@@ -16,7 +16,7 @@ from tutel.ops import composite
 from tutel.ops.backend import use_operators
 from tutel.ops.gated_units import SWIGLU, GatedUnit, gated_unit
 
-from test_gated_units import split
+from test_gated_units import reference as unit_reference, reference_grad as unit_reference_grad, split
 
 UNIT_ROUNDING = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11,
                  torch.float64: 2.0 ** -53}
@@ -49,22 +49,14 @@ def biased_values(gate_up, bias, offsets):
 
 def reference(values, grad, unit):
     """float64 h, d gate_up (values' layout) and the sizes of their terms, from the definition at
-    `values` (the biased gate and up values)."""
-    g_in, u_in = split(values, unit.interleaved)
-    g, u = g_in, u_in
-    gate_passes = torch.ones_like(g, dtype=torch.bool)
-    up_passes = torch.ones_like(u, dtype=torch.bool)
+    `values` (the biased gate and up values): test_gated_units' reference, with term sizes for the
+    tolerances."""
+    h = unit_reference(values, unit)
+    d = unit_reference_grad(values, grad, unit)[0]
+    g, u = split(values, unit.interleaved)
     if unit.limit is not None:
-        gate_passes = g_in <= unit.limit
-        up_passes = (u_in >= -unit.limit) & (u_in <= unit.limit)
-        g, u = g_in.clamp(max=unit.limit), u_in.clamp(-unit.limit, unit.limit)
+        g, u = g.clamp(max=unit.limit), u.clamp(-unit.limit, unit.limit)
     dh = grad.double()
-    s = 1 / (1 + torch.exp(-unit.alpha * g))
-    h = (u + unit.up_offset) * g * s
-    d = torch.empty_like(values)
-    d_gate, d_up = split(d, unit.interleaved)
-    d_gate.copy_(torch.where(gate_passes, dh * (u + unit.up_offset) * s * (1 + unit.alpha * g * (1 - s)), 0.0))
-    d_up.copy_(torch.where(up_passes, dh * g * s, 0.0))
     up_size = u.abs() + abs(unit.up_offset)
     d_size = torch.empty_like(values)
     size_gate, size_up = split(d_size, unit.interleaved)
