@@ -201,6 +201,9 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     ends = (torch.arange(1, experts + 1) * (tokens * k // experts)).to(torch.int32).to(device)
     bias = torch.randn(experts, model_dim, generator=generator).to(dtype).to(device)
     slot_choices = torch.ops.tutel.group_by_expert(expert_ids.cpu(), experts)[1].to(device)
+    # each expert's [model_dim, model_dim] matrix over the grouped rows
+    weight = torch.randn(experts, model_dim, model_dim, generator=generator).to(dtype).to(device)
+    grouped_grad = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
@@ -215,6 +218,9 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
         "add_expert_bias_": lambda ops: ops.add_expert_bias_(grouped, bias, ends),
         "expert_row_sums": lambda ops: ops.expert_row_sums(grouped, ends),
         "choice_rows": lambda ops: ops.choice_rows(x, slot_choices, k),
+        "grouped_rows_linear": lambda ops: ops.grouped_rows_linear(grouped, weight, bias, ends, False),
+        "grouped_rows_linear_backward": lambda ops: ops.grouped_rows_linear_backward(
+            grouped_grad, grouped, weight, ends, False, [True, True, True]),
     }
 
 

@@ -101,6 +101,18 @@ TORCH_LIBRARY(tutel, m) {
   // [0, T k) (group_by_expert's choice t k + j held by each slot): the token rows in the plan's
   // slot order.  CUDA: one launch (a choice outside the range gives a zero row there; the CPU raises).
   m.def("choice_rows(Tensor x, Tensor slot_choices, int k) -> Tensor");
+  // Grouped linear map over rows grouped by expert (rows [N, K], offsets as above): out[i] =
+  // rows[i] @ weight[e]^T + bias[e] for expert e's rows (weight [E, O, K], the F.linear layout;
+  // transposed: [E, K, O] and rows[i] @ weight[e]), zeros for the rows of no expert; [N, O].  Every
+  // dtype.  CUDA: one launch, no host synchronisation (the CPU checks `offsets`, the kernel reads
+  // them as their running maximum clamped to [0, N]).
+  m.def("grouped_rows_linear(Tensor rows, Tensor weight, Tensor? bias, Tensor offsets, bool transposed) -> Tensor");
+  // Its gradients for rows (zero for the rows of no expert), weight (in weight's layout, zero for
+  // an expert without rows) and bias; those not in output_mask come back empty, as
+  // grouped_linear_backward's.  CUDA: at most two launches.
+  m.def(
+      "grouped_rows_linear_backward(Tensor grad, Tensor rows, Tensor weight, Tensor offsets, bool transposed, "
+      "bool[3] output_mask) -> (Tensor grad_rows, Tensor grad_weight, Tensor grad_bias)");
   // x.to(dtype), contiguous, in a buffer of the CPU block cache.  CPU only.
   m.def("to_dtype(Tensor x, ScalarType dtype) -> Tensor");
   // The same unit over gates and ups in two [n, I] tensors (not interleaved): h [n, I], and

@@ -95,6 +95,25 @@ def test_routed_experts_training_step_stays_within_the_budget(family, tokens):
     assert {id(t): tuple(t.shape) for t in leaves} == {id(t): tuple(g.shape) for t, g in grads.items()}
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_routed_experts_without_a_grouped_mm_kernel_train_within_the_budget(family, dtype):
+    """float32 and float16, which PyTorch's grouped_mm has no kernel for: tutel's grouped products
+    (the bias inside) keep the training step free of host reads and within the budgets."""
+    with fake_cuda():
+        leaves, call = _call(family, 16, grad=True, dtype=dtype)
+        with OperatorCount() as forward:
+            y = call()
+        seed = torch.randn_like(y)
+        with OperatorCount() as backward:
+            grads = backward_by_hand(y, seed)
+    assert forward.operators.count("tutel.grouped_rows_linear.default") == 2, forward.operators
+    assert backward.operators.count("tutel.grouped_rows_linear_backward.default") == 2, backward.operators
+    assert forward.kernels <= EXPERTS_FORWARD_BUDGET, forward.operators
+    assert backward.kernels <= 2 * forward.kernels, backward.operators
+    assert {id(t): tuple(t.shape) for t in leaves} == {id(t): tuple(g.shape) for t, g in grads.items()}
+
+
 @pytest.mark.parametrize("family", [FAMILIES[0], FAMILIES[3]], ids=lambda f: f.name)
 def test_undoing_the_gated_unit_fusion_breaks_the_budget(monkeypatch, family):
     """The count sees a fusion undone: the gated unit composed of PyTorch operators (as on devices
@@ -166,14 +185,15 @@ LAYER_FAMILIES = [
 ]
 
 
-def _layer(family: LayerFamily, capacity_factor: float, mode):
-    """moe_layer of the family's shape, built on the meta device (no memory) and made fake CUDA bf16."""
+def _layer(family: LayerFamily, capacity_factor: float, mode, dtype: torch.dtype = torch.bfloat16):
+    """moe_layer of the family's shape, built on the meta device (no memory) and made fake CUDA
+    tensors of `dtype`."""
     with torch.device("meta"):
         layer = moe.moe_layer(gate_type={"type": "top", "k": family.k, "capacity_factor": capacity_factor},
                               model_dim=family.model_dim,
                               experts={"type": family.expert_type, "num_experts_per_device": family.experts,
                                        "hidden_size_per_expert": family.hidden})
-    return fake_parameters(layer, mode, dtype=torch.bfloat16)
+    return fake_parameters(layer, mode, dtype=dtype)
 
 
 @pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)
@@ -195,6 +215,24 @@ def test_moe_layer_training_step_has_no_host_sync_and_stays_within_the_budget(fa
     assert backward.kernels <= 2 * forward.kernels, backward.operators
     expected = {id(x): tuple(x.shape), **{id(p): tuple(p.shape) for p in layer.parameters()}}
     assert expected == {id(t): tuple(g.shape) for t, g in grads.items()}
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_moe_layer_in_float32_trains_without_a_host_sync(family, capacity_factor):
+    """A float32 layer (no grouped_mm kernel): tutel's grouped products, the same budgets."""
+    with fake_cuda() as mode:
+        layer = _layer(family, capacity_factor, mode, dtype=torch.float32)
+        x = torch.randn(16, family.model_dim, device="cuda", dtype=torch.float32, requires_grad=True)
+        assert layer.choose_path(x).path is Path.STATIC_GROUPED
+        with OperatorCount() as forward:
+            y = layer(x)
+        seeds = [torch.randn_like(y), torch.ones_like(y.l_aux)]
+        with OperatorCount() as backward:
+            backward_by_hand([y, y.l_aux], seeds)
+    assert "tutel.grouped_rows_linear.default" in forward.operators, forward.operators
+    assert forward.kernels <= LAYER_FORWARD_BUDGET, forward.operators
+    assert backward.kernels <= 2 * forward.kernels, backward.operators
 
 
 @pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)

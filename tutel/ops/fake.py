@@ -74,6 +74,17 @@ def _grouped_linear_backward(grad, x, weight, group_rows, weight_transposed, out
     return grad_x, grad_weight, grad_bias
 
 
+# grouped_rows_linear's `transposed` ([E, K, O]) is grouped_linear's weight_transposed == False.
+@register_fake("tutel::grouped_rows_linear")
+def _grouped_rows_linear(rows, weight, bias, offsets, transposed):
+    return _grouped_linear(rows, weight, bias, None, not transposed)
+
+
+@register_fake("tutel::grouped_rows_linear_backward")
+def _grouped_rows_linear_backward(grad, rows, weight, offsets, transposed, output_mask):
+    return _grouped_linear_backward(grad, rows, weight, None, not transposed, output_mask)
+
+
 # The per-expert bias (bias, offsets) changes values only: the shapes follow gate_up.
 @register_fake("tutel::gated_unit")
 def _gated_unit(gate_up, alpha, up_offset, limit, interleaved, bias=None, offsets=None):

@@ -10,22 +10,25 @@ the whole [N, O] result: a sixth of a Qwen3-MoE-sized experts call at 2048 token
 
 Unlike ``expert_linear(group_rows=...)`` the group sizes stay on the device, so callers trace
 under ``torch.compile(fullgraph=True)`` without a graph break: the operator is opaque to the
-tracer.  On CPU it runs tutel's compiled grouped operator (reading the group ends costs nothing
-there), whose skinny products read each expert's matrix once for groups of up to 32 rows (fewer
+tracer.  Where PyTorch's ``grouped_mm`` has no kernel for the operands it runs tutel's
+``grouped_rows_linear`` operator.  On CPU (reading the group ends costs nothing there) its skinny products read each expert's matrix once for groups of up to 32 rows (fewer
 where PyTorch's GEMM has units they do not use: 6-8 for bfloat16 beside AMX, and with only the
 AVX2 build 8 for float32 beside Intel's AVX-512), and bfloat16 groups past that on AMX tiles where
 the CPU has them (up to 256 rows of [O, K] weights, 64 of [K, O]): it beat
 ``torch.nn.functional.grouped_mm`` up to 32 rows per expert and matched it above
 (benchmarks/grouped_gemm.py, docs/design.md);
 on CUDA it runs ``grouped_mm`` where PyTorch has a kernel for the operands (bfloat16 on sm80+,
-16-byte aligned strides), else one product per expert.
+16-byte aligned strides), else tutel's tiled grouped kernels (kernels/grouped_rows_gemm.cu: float32,
+float16, float64 and unaligned rows; one launch forward, two backward), which read the group ends
+on the device too: no host synchronisation either way.  Only the composite fallback (tutel built
+without CUDA, or ``TUTEL_CUDA_BACKEND=composite``) runs one product per expert and reads the ends
+back to the host.
 """
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
 from .backend import cuda_capability, operators_for
 from .tracing import eager_without_grad, is_fake
 
@@ -57,11 +60,6 @@ def _right(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight if transposed else weight.transpose(-1, -2)  # [E, K, O]
 
 
-def _counts(offsets: torch.Tensor) -> List[int]:
-    ends = offsets.tolist()
-    return [end - start for start, end in zip([0] + ends[:-1], ends)]
-
-
 def _zero_tail(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Zeroes the rows past the last group, which grouped_mm leaves unwritten."""
     if t.device.type == "cpu":  # reading the end is free on the host
@@ -91,15 +89,8 @@ def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
         if bias is not None:  # one launch: each row's expert found in the offsets (the tail untouched)
             operators_for(out.device).add_expert_bias_(out, bias, offsets)
         return _zero_tail(out, offsets) if zero_tail else out
-    counts = _counts(offsets)
-    kept = sum(counts)
-    run = torch.ops.tutel.grouped_linear if rows.device.type == "cpu" else grouped_linear_loop
-    if kept == rows.shape[0]:  # no dropped rows (the usual case): no zero tail to add
-        return run(rows, weight, bias, counts, not transposed)  # rows may be a row-strided view
-    out = rows.new_zeros((rows.shape[0], right.shape[-1]))
-    if kept:
-        out[:kept] = run(rows[:kept], weight, bias, counts, not transposed)
-    return out
+    # tutel's grouped operator: the bias inside the products, zeros past the last end either way.
+    return operators_for(rows.device).grouped_rows_linear(rows, weight, bias, offsets, transposed)
 
 
 def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
@@ -119,19 +110,9 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
         if grad_rows is not None and zero_tail:
             grad_rows = _zero_tail(grad_rows, offsets)
         return grad_rows, grad_weight, grad_bias
-    counts = _counts(offsets)
-    kept = sum(counts)
     mask = [need_rows, need_weight, need_bias]
-    if rows.device.type == "cpu":
-        grads = torch.ops.tutel.grouped_linear_backward(grad[:kept], rows[:kept].contiguous(), weight, counts,
-                                                        not transposed, mask)
-    else:
-        grads = grouped_linear_backward_loop(grad[:kept], rows[:kept], weight, counts, not transposed, mask)
-    grad_rows = None
-    if need_rows:
-        grad_rows = grads[0] if kept == rows.shape[0] else torch.cat([grads[0], rows.new_zeros(
-            (rows.shape[0] - kept, rows.shape[1]))])
-    return grad_rows, (grads[1] if need_weight else None), (grads[2] if need_bias else None)
+    grads = operators_for(rows.device).grouped_rows_linear_backward(grad, rows, weight, offsets, transposed, mask)
+    return tuple(g if need else None for g, need in zip(grads, mask))
 
 
 @torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())

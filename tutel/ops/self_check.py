@@ -14,7 +14,7 @@ import torch
 
 OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
              "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "add_expert_bias_",
-             "expert_row_sums", "choice_rows")
+             "expert_row_sums", "choice_rows", "grouped_rows_linear", "grouped_rows_linear_backward")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
@@ -34,11 +34,16 @@ _UNIT_DIFFERING = 0.5
 _ROW_SUMS = "expert_row_sums"
 _ROW_SUM_TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-3),
                        torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+# The grouped products, summed in another order by the composite operator (PyTorch's matrix
+# products): each value to the accumulation dtype's rounding of sums of up to a few thousand terms
+# of size ~1, then one rounding to the data dtype.
+_PRODUCTS = {"grouped_rows_linear", "grouped_rows_linear_backward"}
 # Operators that write their result into an argument (its number) and return nothing.
 _IN_PLACE = {"add_expert_bias_": 0}
 # Operators whose arguments keep their strides on the device they are moved to (row-strided views
 # are what these read in place), each call getting its own copy (the in-place one writes it).
-_LAYOUT_KEPT = {"add_expert_bias_", "expert_row_sums", "choice_rows"}
+_LAYOUT_KEPT = {"add_expert_bias_", "expert_row_sums", "choice_rows", "grouped_rows_linear",
+                "grouped_rows_linear_backward"}
 
 
 class Case(NamedTuple):
@@ -194,8 +199,9 @@ def _grouped_ends(rows: int, experts: int, generator: torch.Generator) -> torch.
 
 
 def _expert_row_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
-    """add_expert_bias_, expert_row_sums (grouped rows [T k, model_dim] as a row-strided view,
-    idle experts, rows past the last expert's) and choice_rows (group_by_expert's slot choices)."""
+    """add_expert_bias_, expert_row_sums, grouped_rows_linear and its backward (grouped rows
+    [T k, model_dim] as a row-strided view, idle experts, rows past the last expert's) and
+    choice_rows (group_by_expert's slot choices)."""
     rows, width = s.tokens * s.k, s.model_dim
     choices = torch.randperm(rows, generator=g)  # a permutation, as group_by_expert's slot choices are
     for dtype in DATA_DTYPES:
@@ -207,6 +213,18 @@ def _expert_row_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
         yield Case("expert_row_sums", label, (grouped, ends))
         tokens = torch.randn(s.tokens, width + 1, generator=g).to(dtype)[:, :width]
         yield Case("choice_rows", label, (tokens, choices, s.k))
+        # The grouped products in both weight layouts, with and without a bias; O odd.
+        outputs = width // 2 + 3
+        for transposed in (False, True):
+            shape = (s.experts, width, outputs) if transposed else (s.experts, outputs, width)
+            weight = torch.randn(*shape, generator=g).to(dtype)
+            bias = torch.randn(s.experts, outputs, generator=g).to(dtype) if transposed else None
+            product = f"{label} outputs={outputs} transposed={transposed}"
+            yield Case("grouped_rows_linear", product, (grouped, weight, bias, ends, transposed))
+            grad = torch.randn(rows, outputs, generator=g).to(dtype)
+            mask = [True, True, True] if transposed else [False, True, True]
+            yield Case("grouped_rows_linear_backward", f"{product} mask={mask}",
+                       (grad, grouped, weight, ends, transposed, mask))
 
 
 def _to(value, device: torch.device, keep_layout: bool = False):
@@ -233,11 +251,11 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
     if operator in _UNITS:
         return _compare_unit_values(number, expected, got)
-    if operator == _ROW_SUMS:
+    if operator == _ROW_SUMS or operator in _PRODUCTS:
         close = torch.isclose(got, expected, equal_nan=True, **_ROW_SUM_TOLERANCES[expected.dtype])
         if bool(close.all()):
             return None
-        return f"output {number}: {int((~close).sum())} of {close.numel()} row sums differ beyond rounding"
+        return f"output {number}: {int((~close).sum())} of {close.numel()} sums differ beyond rounding"
     if (operator, number) in _REDUCTIONS:
         close = torch.isclose(got, expected, equal_nan=True, **_DOT_TOLERANCES[expected.dtype])
         if bool(close.all()):

@@ -13,10 +13,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "../expert_rows_args.h"
+#include "grouped_offsets.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
@@ -27,17 +27,6 @@ namespace {
 constexpr int64_t kGrainElements = 32768;
 // Columns one expert_row_sums task sums (its accumulators fit in the L1 cache).
 constexpr int64_t kSumColumns = 512;
-
-// The experts' ends, checked: non-decreasing, within [0, rows].
-void check_offsets_values(const int* ends, int64_t experts, int64_t rows, const char* op) {
-  int64_t previous = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    TORCH_CHECK_VALUE(ends[e] >= previous && ends[e] <= rows, "tutel::", op, ": `offsets` must be non-decreasing ",
-                      "ends of the experts' rows within [0, N = ", rows, "], got offsets[", e, "] = ", ends[e],
-                      e > 0 ? " after " + std::to_string(previous) : std::string());
-    previous = ends[e];
-  }
-}
 
 void add_expert_bias_cpu(const at::Tensor& rows, const at::Tensor& bias_in, const at::Tensor& offsets_in) {
   const char* op = "add_expert_bias_";

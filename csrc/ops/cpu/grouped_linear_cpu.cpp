@@ -241,8 +241,6 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   return out;
 }
 
-namespace {
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& weight, at::IntArrayRef group_rows,
     bool weight_transposed, std::array<bool, 3> output_mask) {
@@ -302,8 +300,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
   pieces.run();
   return {grad_x, grad_weight, grad_bias};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(tutel, CPU, m) {
   m.impl("grouped_linear", &grouped_linear_cpu);
