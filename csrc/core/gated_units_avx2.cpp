@@ -6,6 +6,7 @@
 // units of a row run the portable code.
 #include "gated_units.h"
 
+#include <limits>
 #include <type_traits>
 
 #include "avx2_lanes.h"
@@ -21,8 +22,11 @@ using avx2::Lanes;
 // e^x for every lane: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by the degree-7 polynomial of
 // Cephes' expf (relative error about 1e-7, a float ulp or two), times 2^n built in the exponent
 // bits.  Inputs are limited to [-87, 88] so that 2^n stays a normal float (e^-87 = 1.6e-38, so
-// a sigmoid of such an input is below float's resolution anyway); NaN stays NaN.
+// a sigmoid of such an input is below float's resolution anyway); NaN stays NaN.  Past
+// ln(FLT_MAX) the result is +inf, as expf's: a sigmoid of -inf is then exactly 0, and the gated
+// unit's g * s at g = -inf NaN, as in the portable and CUDA kernels (not -inf).
 TUTEL_AVX2_FMA inline __m256 exp_lanes(__m256 x) {
+  const __m256 overflows = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
   x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);  // second operand returned for NaN: x
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -38,7 +42,8 @@ TUTEL_AVX2_FMA inline __m256 exp_lanes(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  const __m256 scaled = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  return _mm256_blendv_ps(scaled, _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflows);
 }
 
 // The gates and ups of units i .. i + 7 of one row (interleaved: both from the gate row).

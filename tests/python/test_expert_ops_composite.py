@@ -54,11 +54,10 @@ def test_group_by_expert_composite_rejects_what_the_operator_rejects():
 
 
 def unit_values(rows, columns, dtype, generator):
-    """Normal values, the clamp bounds, NaN, -0 and ±90.  No infinities: at g = -inf the CPU
-    operator's vectorised exponential saturates, giving ±inf where the formula (and its portable
-    kernel, and the CUDA kernel; tests/cpp/kernels_on_cpu/gated_units_cu_test.cpp) gives NaN."""
+    """Normal values, the clamp bounds, NaN, -0, ±90 and ±inf."""
     values = torch.randn(rows, columns, generator=generator, dtype=torch.float64) * 4
-    specials = torch.tensor([7.0, -7.0, 3.0, -3.0, float("nan"), -0.0, 90.0, -90.0], dtype=torch.float64)
+    specials = torch.tensor([7.0, -7.0, 3.0, -3.0, float("nan"), -0.0, 90.0, -90.0, float("inf"), float("-inf")],
+                            dtype=torch.float64)
     pick = torch.randint(0, 50, (rows, columns), generator=generator)
     values = torch.where(pick < len(specials), specials[pick.clamp(max=len(specials) - 1)], values)
     return values.to(dtype)

@@ -146,11 +146,10 @@ _UNIT_PARAMETERS = ((1.0, 0.0, None, False), (1.702, 1.0, 7.0, True), (0.5, -0.2
 
 
 def _unit_values(rows: int, columns: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """Normal values times 4 with the clamp bounds (±7, ±3), NaN, -0 and ±90 in some places.  No
-    infinities: at g = -inf the CPU operator's vectorised exponential saturates (h = ±inf where
-    sigmoid(-inf) = 0 makes the formula's g * s NaN)."""
+    """Normal values times 4 with the clamp bounds (±7, ±3), NaN, -0, ±90 and ±inf in some places."""
     values = torch.randn(rows, columns, generator=generator, dtype=torch.float64) * 4
-    specials = torch.tensor([7.0, -7.0, 3.0, -3.0, float("nan"), 90.0, -90.0, -0.0], dtype=torch.float64)
+    specials = torch.tensor([7.0, -7.0, 3.0, -3.0, float("nan"), 90.0, -90.0, -0.0, float("inf"), float("-inf")],
+                            dtype=torch.float64)
     pick = torch.randint(0, 64, (rows, columns), generator=generator)
     values = torch.where(pick < len(specials), specials[pick.clamp(max=len(specials) - 1)], values)
     return values.to(dtype)
