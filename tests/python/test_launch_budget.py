@@ -281,6 +281,45 @@ def test_the_padded_path_reads_the_largest_load_back():
             run_path(Path.PADDED, layer, x, resolve_switches(layer, "test", tokens=16), x.shape[-1:], 16, False)
 
 
+@pytest.fixture
+def two_fake_processes():
+    """A process group of two "processes" whose collectives do nothing (PyTorch's fake backend):
+    enough to trace a layer whose experts are spread over processes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_with_a_static_capacity_has_no_host_sync(two_fake_processes, monkeypatch):
+    """Experts over two processes with capacity_factor > 0: the call's agreement on the capacity
+    goes through host integers (a CPU collective), the rest reads nothing back, forward and
+    backward.  The agreement runs outside the fake mode here, on real CPU tensors: had it gone
+    through the device, the CPU-only PyTorch would refuse to make its CUDA tensor."""
+    import tutel.impls.call_agreement as call_agreement
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    real, agreed = call_agreement.all_reduce_max_ints, []
+
+    def on_the_host(values, group=None, device=None):
+        with unset_fake_temporarily():
+            agreed.append(real(values, group, device))
+        return agreed[-1]
+    monkeypatch.setattr(call_agreement, "all_reduce_max_ints", on_the_host)
+    layer = moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 1.0}, model_dim=64,
+                          experts={"type": "llama_ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 32})
+    with fake_cuda() as mode:
+        layer = fake_parameters(layer, mode, dtype=torch.bfloat16)
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        assert layer.choose_path(x).path is Path.EXPERT_PARALLEL
+        y = layer(x)
+        grads = backward_by_hand([y, y.l_aux], [torch.randn_like(y), torch.ones_like(y.l_aux)])
+    assert agreed == [[2 * 2, 1, -1, 1, -1]]  # k * ceil(16 / 8 experts), overlap 1, adaptive_r 1
+    assert {id(x), *(id(p) for p in layer.parameters())} == set(map(id, grads))
+
+
 def test_undoing_a_fusion_breaks_the_layer_budget(monkeypatch):
     """The layer's training step with the gated unit of its llama_ffn experts composed of PyTorch
     operators: its backward no longer fits twice its forward."""

@@ -9,8 +9,9 @@ reaching the collective within ``TUTEL_GLOBAL_TIMEOUT_SEC``) raises
 """
 import contextlib
 import functools
+import inspect
 import os
-from typing import Any, Callable, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -196,12 +197,55 @@ def simple_all_gather(input: torch.Tensor, group: Optional[Any] = None) -> torch
     return output.view([-1] + list(input.shape[1:]))
 
 
-def all_reduce_max_int(value: int, device: torch.device, group: Optional[Any] = None) -> int:
-    """The maximum of a host integer over ``group`` (one small collective when distributed)."""
+# Process groups over the same processes as a group without a CPU backend (NCCL only), for the
+# collectives of host integers; made at the first such collective and kept.
+_CPU_GROUPS: Dict[Any, Any] = {}
+
+
+def _takes_cpu_tensors(group: Optional[Any]) -> bool:
+    """Whether `group`'s backend runs collectives on CPU tensors (gloo, MPI, PyTorch's default
+    "cpu:gloo,cuda:nccl" pair), not only on device tensors (NCCL)."""
+    if hasattr(dist, "get_backend_config"):
+        return "cpu:" in dist.get_backend_config(group)
+    return dist.get_backend(group) in ("gloo", "mpi")
+
+
+def _cpu_group(group: Optional[Any]) -> Optional[Any]:
+    """A group taking CPU tensors over `group`'s processes: the group itself, or a gloo group over
+    its ranks, made by those processes alone (PyTorch's use_local_synchronization); None where
+    this PyTorch cannot make one without every process of the world taking part."""
+    if _takes_cpu_tensors(group):
+        return group
+    key = group if group is not None else dist.group.WORLD
+    if key not in _CPU_GROUPS:
+        if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
+            return None
+        with collective_errors("tutel: making a gloo group for host integers", group):
+            _CPU_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(key), backend="gloo",
+                                              timeout=global_timeout(), use_local_synchronization=True)
+    return _CPU_GROUPS[key]
+
+
+def all_reduce_max_ints(values: Sequence[int], group: Optional[Any] = None,
+                        device: Optional[torch.device] = None) -> List[int]:
+    """Each host integer's maximum over ``group``, with no device synchronisation: the integers
+    travel as a CPU tensor through a backend that takes one (the group's own, else a gloo group
+    over its processes, made once), so nothing waits for the kernels queued on a device and CUDA
+    graphs can capture the calls around it.  Only where no CPU group can be had (a PyTorch
+    without use_local_synchronization) do they go through ``device`` and are read back."""
+    values = [int(v) for v in values]
     if get_world_size(group) == 1:
-        return int(value)
-    tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        return values
+    cpu_group = _cpu_group(group)
+    on = torch.device("cpu") if cpu_group is not None else device
+    tensor = torch.tensor(values, dtype=torch.int64, device=on)
     with collective_errors("tutel all_reduce_max_int", group):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return int(tensor.item())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=cpu_group if cpu_group is not None else group)
+    return tensor.tolist()
+
+
+def all_reduce_max_int(value: int, device: torch.device, group: Optional[Any] = None) -> int:
+    """The maximum of a host integer over ``group`` (one small collective when distributed, with
+    no device synchronisation: see all_reduce_max_ints)."""
+    return all_reduce_max_ints([value], group, device)[0]
 

@@ -6,17 +6,20 @@ overlap degree and on adaptive_r.  If processes disagree, gloo aborts the proces
 hangs (Tutel's issue #173).  One small MAX all-reduce per call settles it: every process
 uses the largest capacity (so processes holding different numbers of tokens just work, as
 with ``inequivalent_tokens=True``), and a disagreement on the overlap degree or adaptive_r
-raises a ValueError on every process instead of crashing.
+raises a ValueError on every process instead of crashing.  The settings are host integers and
+travel as a CPU tensor (``all_reduce_max_ints``: the group's CPU backend, or a gloo group over
+its processes), so the agreement waits for no device and a call with a static capacity can be
+captured in a CUDA graph.
 
 Set TUTEL_ASSUME_CONSISTENT_CALLS=1 to skip the collective when every process is known to
-make identical calls with equal token counts (for CUDA-graph capture or the last
-microseconds); a mismatch is then undefined behaviour, as in Tutel.
+make identical calls with equal token counts (the last microseconds); a mismatch is then
+undefined behaviour, as in Tutel.
 """
 import os
 
 import torch
 
-from ..collectives.simple_collectives import simple_all_reduce
+from ..collectives.simple_collectives import all_reduce_max_ints
 
 
 def _skip() -> bool:
@@ -27,10 +30,7 @@ def agree_on_call(group, device: torch.device, capacity: int, overlap_degree: in
     """Returns the capacity every process of `group` uses for this call (the largest)."""
     if _skip():
         return capacity
-    import torch.distributed as dist
-    settings = torch.tensor([capacity, overlap_degree, -overlap_degree, adaptive_r, -adaptive_r],
-                            dtype=torch.int64, device=device)
-    agreed = simple_all_reduce(settings, group=group, op=dist.ReduceOp.MAX).tolist()
+    agreed = all_reduce_max_ints([capacity, overlap_degree, -overlap_degree, adaptive_r, -adaptive_r], group, device)
     for name, high, low in (("a2a_ffn_overlap_degree", agreed[1], -agreed[2]), ("adaptive_r", agreed[3], -agreed[4])):
         if high != low:
             raise ValueError(f"moe_layer.forward: the processes of the expert group disagree on {name} for this "

@@ -9,6 +9,7 @@ import dist_reference as ref
 from dist_checks import CheckList, close, compare_with_reference, expect_error, rank, world
 from tutel import net, system
 from tutel.collectives import exchange
+from tutel.collectives import simple_collectives as collectives
 
 checks = CheckList()
 
@@ -86,6 +87,31 @@ def group_ranks_and_all_reduce_max_int():
         assert net.group_ranks(env.data_group) == data_members
         for group, members in ((env.model_group, model_members), (env.data_group, data_members)):
             assert net.all_reduce_max_int(100 + rank(), torch.device("cpu"), group) == 100 + max(members)
+
+
+@checks.add
+def host_integers_through_a_gloo_group_of_the_same_processes():
+    """For a group whose backend takes no CPU tensors (NCCL), all_reduce_max_ints makes a gloo
+    group over the same processes (they alone take part) and reduces the host integers there:
+    the same maxima, for WORLD and for subgroups, the gloo group made once per group."""
+    w = world()
+    real = collectives._takes_cpu_tensors
+    collectives._takes_cpu_tensors = lambda group: False  # every group as if it were NCCL-only
+    try:
+        values = [3 * rank() - 1, -rank(), 5]
+        assert collectives.all_reduce_max_ints(values) == [3 * (w - 1) - 1, 0, 5]
+        made = dict(collectives._CPU_GROUPS)
+        assert dist.get_process_group_ranks(made[dist.group.WORLD]) == list(range(w))
+        assert collectives.all_reduce_max_ints([rank()]) == [w - 1]
+        assert collectives._CPU_GROUPS == made  # kept, not made again
+        if w % 2 == 0:
+            env = net.create_groups_from_world(2)
+            members = [d * (w // 2) + env.model_rank for d in range(2)]
+            assert collectives.all_reduce_max_ints([100 + rank()], env.data_group) == [100 + max(members)]
+            assert dist.get_process_group_ranks(collectives._CPU_GROUPS[env.data_group]) == members
+    finally:
+        collectives._takes_cpu_tensors = real
+        collectives._CPU_GROUPS.clear()
 
 
 @checks.add
