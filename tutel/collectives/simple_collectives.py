@@ -11,6 +11,7 @@ import contextlib
 import functools
 import inspect
 import os
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -213,16 +214,20 @@ def _takes_cpu_tensors(group: Optional[Any]) -> bool:
 def _cpu_group(group: Optional[Any]) -> Optional[Any]:
     """A group taking CPU tensors over `group`'s processes: the group itself, or a gloo group over
     its ranks, made by those processes alone (PyTorch's use_local_synchronization); None where
-    this PyTorch cannot make one without every process of the world taking part."""
+    this PyTorch cannot make one without every process of the world taking part, or making it
+    failed (a warning)."""
     if _takes_cpu_tensors(group):
         return group
     key = group if group is not None else dist.group.WORLD
     if key not in _CPU_GROUPS:
-        if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
-            return None
-        with collective_errors("tutel: making a gloo group for host integers", group):
-            _CPU_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(key), backend="gloo",
-                                              timeout=global_timeout(), use_local_synchronization=True)
+        _CPU_GROUPS[key] = None
+        if "use_local_synchronization" in inspect.signature(dist.new_group).parameters:
+            try:
+                _CPU_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(key), backend="gloo",
+                                                  timeout=global_timeout(), use_local_synchronization=True)
+            except RuntimeError as error:  # e.g. gloo cannot connect: the device path still works
+                warnings.warn(f"tutel: no gloo group for the host integers of a process group ({error}); they go "
+                              "through the device, which waits for its queued kernels", RuntimeWarning, stacklevel=3)
     return _CPU_GROUPS[key]
 
 
@@ -232,7 +237,8 @@ def all_reduce_max_ints(values: Sequence[int], group: Optional[Any] = None,
     travel as a CPU tensor through a backend that takes one (the group's own, else a gloo group
     over its processes, made once), so nothing waits for the kernels queued on a device and CUDA
     graphs can capture the calls around it.  Only where no CPU group can be had (a PyTorch
-    without use_local_synchronization) do they go through ``device`` and are read back."""
+    without use_local_synchronization, a gloo group that could not be made) do they go through
+    ``device`` and are read back."""
     values = [int(v) for v in values]
     if get_world_size(group) == 1:
         return values
