@@ -11,9 +11,10 @@ the whole [N, O] result: a sixth of a Qwen3-MoE-sized experts call at 2048 token
 Unlike ``expert_linear(group_rows=...)`` the group sizes stay on the device, so callers trace
 under ``torch.compile(fullgraph=True)`` without a graph break: the operator is opaque to the
 tracer.  Where PyTorch's ``grouped_mm`` has no kernel for the operands it runs tutel's
-``grouped_rows_linear`` operator.  On CPU (reading the group ends costs nothing there) its skinny products read each expert's matrix once for groups of up to 32 rows (fewer
-where PyTorch's GEMM has units they do not use: 6-8 for bfloat16 beside AMX, and with only the
-AVX2 build 8 for float32 beside Intel's AVX-512), and bfloat16 groups past that on AMX tiles where
+``grouped_rows_linear`` operator.  On CPU (reading the group ends costs nothing there) its
+skinny products read each expert's matrix once for groups of up to 32 rows (fewer where
+PyTorch's GEMM has units they do not use: 6-8 for bfloat16 beside AMX, and with only the AVX2
+build 8 for float32 beside Intel's AVX-512), and bfloat16 groups past that on AMX tiles where
 the CPU has them (up to 256 rows of [O, K] weights, 64 of [K, O]): it beat
 ``torch.nn.functional.grouped_mm`` up to 32 rows per expert and matched it above
 (benchmarks/grouped_gemm.py, docs/design.md);
