@@ -36,7 +36,12 @@ timeout "${TUTEL_TRANSFORMERS_STEP_TIMEOUT:-600}" bash tests/integration/transfo
 echo "== Python: pytest (at ${SECONDS} s) =="
 # A hung test fails after TUTEL_TEST_TIMEOUT seconds (pytest-timeout) instead of eating the CI budget;
 # the slowest single tests (pip installs that build the extension) take a few minutes.  The 30
-# slowest are listed at the end, where the CI budget goes.
-python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" --durations=30 tests/python "$@"
+# slowest are listed at the end, where the CI budget goes.  The tests run in TUTEL_TEST_WORKERS
+# processes (pytest-xdist; 0 runs them in this one).  --dist worksteal: a worker that runs out of
+# tests takes queued ones from the other; with the default `load` the few minute-long tests of
+# test_docs_commands.py ended up queued behind one another on one worker while the other sat idle,
+# and `loadfile` keeps that whole file on one worker by design.
+python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" --durations=30 \
+        -n "${TUTEL_TEST_WORKERS:-2}" --dist worksteal tests/python "$@"
 [ "$deepspeed_status" -eq 0 ] || { echo "the DeepSpeed integration step failed (exit ${deepspeed_status})" >&2; exit 1; }
 [ "$transformers_status" -eq 0 ] || { echo "the transformers integration step failed (exit ${transformers_status})" >&2; exit 1; }

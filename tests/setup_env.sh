@@ -8,13 +8,13 @@ command -v ccache >/dev/null || install_apt ccache
 source tests/setup_build.sh
 
 # Exact versions, so every machine tests with the same tools (none of them is built against):
-#   pytest, pytest-timeout (the per-test limit in CI), hypothesis;
+#   pytest, pytest-timeout (the per-test limit in CI), pytest-xdist (runs the tests on every core), hypothesis;
 #   tqdm: the examples' progress bars (the example tests force them on);
 #   transformers: the integration tests (tutel.integrations.transformers) run real model code;
 #   nvidia-cuda-nvrtc, nvidia-cuda-runtime and nvidia-cuda-crt: NVRTC and the CUDA headers (nvrtc.h,
 #   cuda.h, and crt/host_config.h that cuda_runtime.h includes), so the kernel-compile and CUDA
 #   host-compile tests run without a GPU or a CUDA toolkit.
-install_pinned pytest==9.0.3 pytest-timeout==2.4.0 hypothesis==6.155.2 tqdm==4.70.1 transformers==5.24.0 \
+install_pinned pytest==9.0.3 pytest-timeout==2.4.0 pytest-xdist==3.8.0 hypothesis==6.155.2 tqdm==4.70.1 transformers==5.24.0 \
                nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88
 
 need_apt=()

@@ -48,7 +48,7 @@ def nvrtc():
 
 @pytest.fixture(scope="module")
 def cubins(nvrtc):
-    """{(program, variant, arch): cubin} for the whole matrix (compiled once, two programs at a time:
+    """{(program, variant, arch): cubin} for the whole matrix (compiled once, one program per core at a time:
     ctypes lets go of the GIL during each NVRTC call, and separate programs compile independently)."""
     programs, headers = kernel_files()
 
@@ -60,7 +60,10 @@ def cubins(nvrtc):
         return nvrtc.compile(programs[name], name, headers, options)
 
     cases = compile_cases()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    # One thread per core this process has to itself: under pytest-xdist the other workers run tests
+    # on the remaining cores (PYTEST_XDIST_WORKER_COUNT processes share the machine).
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         results = list(pool.map(build, cases))
     images = {}
     for (name, variant, arch), (ok, log, cubin) in zip(cases, results):
