@@ -251,7 +251,8 @@ def all_reduce_max_ints(values: Sequence[int], group: Optional[Any] = None,
 
 
 def all_reduce_max_int(value: int, device: torch.device, group: Optional[Any] = None) -> int:
-    """The maximum of a host integer over ``group`` (one small collective when distributed, with
-    no device synchronisation: see all_reduce_max_ints)."""
+    """The maximum of a host integer over ``group``: one small collective when distributed, on a
+    CPU tensor (the group's CPU backend, or a gloo group over its processes), so it waits for no
+    device; ``device`` carries it only where no such group can be made."""
     return all_reduce_max_ints([value], group, device)[0]
 
