@@ -663,10 +663,13 @@ to a separate SiLU and product where no fused gated kernel exists on CUDA.  Trai
 1.2x faster than grouped_mm for Qwen3 and 1.03x for DeepSeek-V3 (0.95x Mixtral, 0.96x gpt-oss).  Since
 that run the routed experts no longer zero those rows (`grouped_rows_mm(zero_tail=False)`: nothing
 reads them), and the CUDA path was rebuilt around fused kernels: the plan (`group_by_expert`), the
-gated unit and the grouped copy are NVRTC kernels, a forward call is 8 kernels at any T (2 for
-inference up to 32 tokens, `decode_experts`) and `moe_layer` on one process takes a path with no
-host synchronisation (docs/cuda-backend.md, "The paths a CUDA graph captures"); counted on fake
-CUDA tensors, not yet timed on a GPU: the table above is the run before those changes.
+gated unit, the grouped copy (`choice_rows`) and the biases (`add_expert_bias_`, the up bias inside
+the gated unit) are NVRTC kernels, a forward call is 7 kernels at any T, 8 with gpt-oss' biases (2
+for inference up to 32 tokens, `decode_experts`), the dtypes `grouped_mm` has no kernel for
+(float32, float16) take tutel's grouped products (`grouped_rows_linear`) instead of one product per
+expert, and `moe_layer` on one process takes a path with no host synchronisation
+(docs/cuda-backend.md, "The paths a CUDA graph captures"); counted on fake CUDA tensors, not yet
+timed on a GPU: the table above is the run before those changes.
 
 Runs since the CUDA graph fields were added show a second table per run: *<name>_kernels*, the
 kernels one call launches (torch.profiler's events on the device after warm-up; memcpy and memset
