@@ -72,6 +72,32 @@ def test_the_comparison_passes_for_the_cpu_operators_against_the_composite_ones(
     assert compare_operators(native, composite, CPU) == {name: None for name in OPERATORS}
 
 
+def test_the_reference_products_are_exact_whatever_the_caller_set():
+    """The composite grouped products are the reference: they run at float32's full precision during
+    the comparison, with the caller's matmul settings back afterwards."""
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction)
+    seen = []
+
+    class Recording(SimpleNamespace):
+        def grouped_rows_linear(self, *args):
+            seen.append((torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction))
+            return composite.grouped_rows_linear(*args)
+
+    reference = Recording(**{name: getattr(composite, name) for name in OPERATORS if name != "grouped_rows_linear"})
+    try:
+        torch.set_float32_matmul_precision("medium")
+        matmul.allow_fp16_reduced_precision_reduction = True
+        assert compare_operators(native, reference, CPU, operators=["grouped_rows_linear"]) == \
+            {"grouped_rows_linear": None}
+        assert seen and set(seen) == {("highest", False)}
+        assert (torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction) == \
+            ("medium", True)
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        matmul.allow_fp16_reduced_precision_reduction = saved[1]
+
+
 @pytest.mark.parametrize("operator", OPERATORS)
 def test_a_wrong_kernel_warns_once_naming_it_and_the_device_and_falls_back(operator):
     kernels = perturbed(operator)

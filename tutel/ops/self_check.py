@@ -8,6 +8,7 @@ the CPU.  Moves, counts and slots must agree exactly; the dot products of the
 gate gradient, which are reductions summed in another order, to the
 accumulation dtype's rounding.
 """
+import contextlib
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -283,6 +284,24 @@ def _compare_unit_values(number: int, expected: torch.Tensor, got: torch.Tensor)
     return None
 
 
+@contextlib.contextmanager
+def _exact_matrix_products() -> Iterator[None]:
+    """PyTorch's matrix products as the compiled kernels compute them: float32 without TF32, 16-bit
+    data with float32 sums, whatever the caller set (torch.set_float32_matmul_precision("high")
+    would round the reference's grouped products to TF32's 10 bits and fail a correct kernel)."""
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    torch.set_float32_matmul_precision("highest")
+    matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved[1:]
+
+
 def compare_operators(fast, reference, device: torch.device, sizes: Sequence[Sizes] = QUICK_SIZES,
                       seed: int = 0, reference_device: Optional[torch.device] = None,
                       operators: Sequence[str] = OPERATORS) -> Dict[str, Optional[str]]:
@@ -298,7 +317,8 @@ def compare_operators(fast, reference, device: torch.device, sizes: Sequence[Siz
     for case in _cases(sizes, seed):
         if case.operator not in failures or failures[case.operator] is not None:
             continue
-        expected = _call(reference, case, reference_device)
+        with _exact_matrix_products():
+            expected = _call(reference, case, reference_device)
         try:
             got = _call(fast, case, device)
         except Exception as error:  # noqa: BLE001  (any failure of the fast path means: do not use it)
