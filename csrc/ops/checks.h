@@ -36,6 +36,15 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
                     " but the data is on ", a.device());
 }
 
+// The group ends of rows grouped by expert: `offsets` [E] int32 on `data`'s device, returned
+// contiguous.  Only the layout: their values live on the device (the CPU operators read them).
+inline at::Tensor checked_offsets(const at::Tensor& offsets, const at::Tensor& data, const char* op) {
+  check_dim(offsets, 1, op, "offsets");
+  check_dtype(offsets, at::kInt, op, "offsets");
+  check_same_device(data, offsets, op, "offsets");
+  return offsets.contiguous();
+}
+
 // indices and locations: int32 [k, T] of the same shape.  (Operators make
 // their inputs contiguous themselves, so callers may pass views.)
 inline void check_slot_table(const at::Tensor& indices, const at::Tensor& locations,

@@ -10,13 +10,6 @@ namespace tutel {
 namespace ops {
 namespace {
 
-at::Tensor checked_offsets(const at::Tensor& offsets, const at::Tensor& rows, const char* op) {
-  check_dim(offsets, 1, op, "offsets");
-  check_dtype(offsets, at::kInt, op, "offsets");
-  check_same_device(rows, offsets, op, "offsets");
-  return offsets.contiguous();
-}
-
 void check_rows(const at::Tensor& rows, const char* op, const char* name) {
   check_dim(rows, 2, op, name);
   check_floating(rows, op, name);

@@ -39,12 +39,10 @@ std::pair<at::Tensor, at::Tensor> checked_grouped_bias(const c10::optional<at::T
   check_same_device(gate_up, bias, op, "bias");
   TORCH_CHECK_VALUE(bias.size(1) == gate_up.size(1), "tutel::", op, ": `bias` must have shape [experts, ",
                     gate_up.size(1), "] (a row of `gate_up`), got ", bias.sizes());
-  check_dim(offsets, 1, op, "offsets");
-  check_dtype(offsets, at::kInt, op, "offsets");
-  check_same_device(gate_up, offsets, op, "offsets");
-  TORCH_CHECK_VALUE(offsets.size(0) == bias.size(0), "tutel::", op, ": `offsets` must have one end per expert ([",
-                    bias.size(0), "], the rows of `bias`), got ", offsets.sizes());
-  return {rows_with_unit_stride(bias), offsets.contiguous()};
+  const at::Tensor ends = checked_offsets(offsets, gate_up, op);
+  TORCH_CHECK_VALUE(ends.size(0) == bias.size(0), "tutel::", op, ": `offsets` must have one end per expert ([",
+                    bias.size(0), "], the rows of `bias`), got ", ends.sizes());
+  return {rows_with_unit_stride(bias), ends};
 }
 
 std::pair<at::Tensor, at::Tensor> checked_gate_and_up(const at::Tensor& gate, const at::Tensor& up,

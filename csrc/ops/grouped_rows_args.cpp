@@ -24,9 +24,7 @@ GroupedRowsArgs checked_grouped_rows(const char* op, const at::Tensor& rows, con
   TORCH_CHECK_VALUE(a.depth == rows.size(1), "tutel::", op, ": `weight` ", weight.sizes(),
                     (transposed ? " ([E, K, O])" : " ([E, O, K])"), " must take the ", rows.size(1),
                     " features of `rows`");
-  check_dim(offsets, 1, op, "offsets");
-  check_dtype(offsets, at::kInt, op, "offsets");
-  check_same_device(rows, offsets, op, "offsets");
+  a.offsets = checked_offsets(offsets, rows, op);
   TORCH_CHECK_VALUE(offsets.size(0) == a.experts, "tutel::", op, ": `offsets` must have one end per expert ([",
                     a.experts, "]), got shape ", offsets.sizes());
   if (bias.has_value()) {
@@ -38,7 +36,6 @@ GroupedRowsArgs checked_grouped_rows(const char* op, const at::Tensor& rows, con
   }
   a.rows = rows_with_unit_stride(rows);
   a.weight = weight.contiguous();
-  a.offsets = offsets.contiguous();
   return a;
 }
 

@@ -18,8 +18,6 @@ namespace {
 
 // Rows per expert, after checking the ends (ValueError for bad ones).
 std::vector<int64_t> group_rows_of(const GroupedRowsArgs& a, const char* op) {
-  TORCH_CHECK_VALUE(a.rows.device().is_cpu(), "tutel::", op, ": every tensor must be on the CPU here, got ",
-                    a.rows.device());
   const int* ends = a.offsets.data_ptr<int>();
   check_offsets_values(ends, a.experts, a.rows_count, op);
   std::vector<int64_t> counts(static_cast<size_t>(a.experts));

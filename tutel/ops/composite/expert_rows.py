@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from .experts import check_offsets, row_experts
 
 
-def _check_rows(rows: torch.Tensor, name: str, where: str) -> None:
+def check_rows(rows: torch.Tensor, name: str, where: str) -> None:
+    """ValueError / TypeError (from `where`) unless `rows` is a 2-D floating tensor of a data dtype."""
     if rows.dim() != 2:
         raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(rows.shape)}")
     if rows.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -29,7 +30,7 @@ def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tens
     rows' dtype), as tutel::add_expert_bias_: the addition of two tensors of one dtype, which
     PyTorch computes in the accumulation dtype and rounds once.  Returns None, like the operator."""
     where = "tutel::add_expert_bias_"
-    _check_rows(rows, "rows", where)
+    check_rows(rows, "rows", where)
     check_offsets(offsets, rows, where)
     if bias.dtype != rows.dtype:
         raise TypeError(f"{where}: `bias` must have dtype {rows.dtype}, got {bias.dtype}")
@@ -49,7 +50,7 @@ def expert_row_sums(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     16-bit data, float64 for float64), 0 for an idle expert, the rows of no expert ignored; as
     tutel::expert_row_sums."""
     where = "tutel::expert_row_sums"
-    _check_rows(rows, "rows", where)
+    check_rows(rows, "rows", where)
     check_offsets(offsets, rows, where)
     experts = offsets.shape[0]
     accumulation = torch.float64 if rows.dtype == torch.float64 else torch.float32
@@ -64,7 +65,7 @@ def choice_rows(x: torch.Tensor, slot_choices: torch.Tensor, k: int) -> torch.Te
     tutel::choice_rows.  A choice outside that range gives a zero row, as in the CUDA kernel (the
     CPU operator raises): an index_select of out-of-range rows would stop the device instead."""
     where = "tutel::choice_rows"
-    _check_rows(x, "x", where)
+    check_rows(x, "x", where)
     if slot_choices.dim() != 1:
         raise ValueError(f"{where}: `slot_choices` must be 1-D, got shape {tuple(slot_choices.shape)}")
     if slot_choices.dtype != torch.int64:

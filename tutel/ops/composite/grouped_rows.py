@@ -15,16 +15,14 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._expert_loops import grouped_linear_backward_loop, grouped_linear_loop
+from .expert_rows import check_rows
 from .experts import check_offsets
 
 
 def _check(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
            where: str) -> Tuple[int, int]:
     """The checks of csrc/ops/grouped_rows_args.cpp; returns (K, O)."""
-    if rows.dim() != 2:
-        raise ValueError(f"{where}: `rows` must be 2-D, got shape {tuple(rows.shape)}")
-    if rows.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"{where}: `rows` must be float32, float64, bfloat16 or float16, got {rows.dtype}")
+    check_rows(rows, "rows", where)
     if weight.dim() != 3:
         raise ValueError(f"{where}: `weight` must be 3-D, got shape {tuple(weight.shape)}")
     if weight.dtype != rows.dtype:
