@@ -6,6 +6,15 @@
 #
 #   bash benchmarks/run_on_gpu.sh [DIR]
 #
+# TUTEL_GPU_STEPS picks the steps (default: all, in this order): build gpu_tests helloworld cuda_kernels
+# transformers_moe.  Their limits add up to more than one command may run on a lent machine (600 s), so
+# there run it twice on the same machine, the build kept in the tree between the two (each half's limits
+# stay within 600 s; tests/python/test_run_on_gpu_script.py holds them to it):
+#   TUTEL_GPU_STEPS="build helloworld cuda_kernels" bash benchmarks/run_on_gpu.sh DIR
+#   TUTEL_GPU_STEPS="gpu_tests transformers_moe" bash benchmarks/run_on_gpu.sh DIR
+# Without the build step the steps use the extension already built in place, which must hold the CUDA
+# operators.
+#
 # Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++),
 # TUTEL_GPU_TEST_SECONDS (default 200), TUTEL_GPU_BENCH_SECONDS (default 300: besides the synchronised
 # times, every case counts kernels and captures and replays CUDA graphs; transformers_moe_cuda.json keeps
@@ -16,6 +25,13 @@ out="${1:-build/gpu_run}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 failed=()
+all_steps=(build gpu_tests helloworld cuda_kernels transformers_moe)
+read -r -a steps <<<"${TUTEL_GPU_STEPS:-${all_steps[*]}}"
+for name in "${steps[@]}"; do
+    [[ " ${all_steps[*]} " == *" ${name} "* ]] || { echo "TUTEL_GPU_STEPS: unknown step '${name}'; the steps are: ${all_steps[*]}"; exit 2; }
+done
+# wanted NAME: whether TUTEL_GPU_STEPS names NAME.
+wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 
 # step NAME LIMIT COMMAND...: runs COMMAND under `timeout LIMIT`, output to DIR/NAME.log, prints its tail.
 step() {
@@ -45,20 +61,26 @@ cat "${out}/machine.log"
 if [ -x /usr/bin/g++ ] && [ -z "${TUTEL_KEEP_CXX:-}" ]; then
     export CC=/usr/bin/gcc CXX=/usr/bin/g++
 fi
-TAIL_LINES=20 step build 420 env TUTEL_WITH_CUDA=1 MAX_JOBS="$(nproc)" "$py" setup.py -q build_ext --inplace \
-    || { echo "the build failed: nothing else runs"; exit 1; }
+if wanted build; then
+    TAIL_LINES=20 step build 420 env TUTEL_WITH_CUDA=1 MAX_JOBS="$(nproc)" "$py" setup.py -q build_ext --inplace \
+        || { echo "the build failed: nothing else runs"; exit 1; }
+elif ! "$py" -c "import sys; from tutel._extension import load_extension; sys.exit(0 if load_extension().with_cuda else 1)" \
+        >"${out}/extension.log" 2>&1; then
+    echo "no build step, and the extension built in place has no CUDA operators (${out}/extension.log): add build to TUTEL_GPU_STEPS"
+    exit 1
+fi
 
 gpu_tests=(tests/python/test_cuda_ops.py tests/python/test_cuda_routing_api.py tests/python/test_cuda_kernel_cache.py
            tests/python/test_backend_self_check.py tests/python/test_composite_ops.py tests/python/test_expert_linear.py
            tests/python/test_jit.py tests/python/test_check_cli.py tests/python/integrations/test_transformers_layouts.py
            tests/python/distributed/test_dist_single_process.py)
-TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}" "$py" -m pytest -p no:cacheprovider -n 12 \
+wanted gpu_tests && TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}" "$py" -m pytest -p no:cacheprovider -n 12 \
     --timeout 120 -v --tb=short -rfE "${gpu_tests[@]}"
 
-step helloworld 60 bash -c "'$py' -m tutel.examples.helloworld --device cuda --num_steps 20 \
+wanted helloworld && step helloworld 60 bash -c "'$py' -m tutel.examples.helloworld --device cuda --num_steps 20 \
     && '$py' -m tutel.examples.helloworld --device cuda --num_steps 20 --dtype bfloat16"
-step cuda_kernels 90 "$py" benchmarks/cuda_kernels.py --reps 20 --out "${out}/cuda_kernels.json"
-TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-300}" "$py" benchmarks/transformers_moe.py \
+wanted cuda_kernels && step cuda_kernels 90 "$py" benchmarks/cuda_kernels.py --reps 20 --out "${out}/cuda_kernels.json"
+wanted transformers_moe && TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-300}" "$py" benchmarks/transformers_moe.py \
     --device cuda --full-size --dtypes bfloat16 --families "${TUTEL_GPU_FAMILIES:-qwen3_moe,mixtral,deepseek_v3,gpt_oss}" \
     --seconds-per-case 1.5 --min-reps 5 --out "$out"
 

@@ -1,0 +1,61 @@
+"""benchmarks/run_on_gpu.sh: its step selection, and the two halves its header prescribes for a machine
+whose commands may run 600 s each (the steps' time limits must fit each half)."""
+import os
+import re
+import subprocess
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(REPO, "benchmarks", "run_on_gpu.sh")
+ONE_COMMAND_SECONDS = 600
+
+
+def _script() -> str:
+    with open(SCRIPT) as handle:
+        return handle.read()
+
+
+def _run(steps: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TUTEL_GPU_STEPS=steps)
+    return subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _step_limits() -> dict:
+    """{step: its limit in seconds under the default environment}, read off the `step NAME LIMIT` calls."""
+    limits = {}
+    for name, limit in re.findall(r"^\s*(?:wanted \w+ && )?(?:TAIL_LINES=\d+ )?step (\w+) (\S+)", _script(), re.M):
+        default = re.fullmatch(r'"?\$\{\w+:-(\d+)\}"?', limit)
+        limits[name] = int(default.group(1) if default else limit)
+    return limits
+
+
+def test_an_unknown_step_is_refused_with_the_list_of_steps(tmp_path):
+    result = _run("build benchmark", tmp_path)
+    assert result.returncode == 2
+    assert "unknown step 'benchmark'" in result.stdout
+    assert "build gpu_tests helloworld cuda_kernels transformers_moe" in result.stdout
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # refused before any step
+
+
+def test_the_prescribed_halves_cover_every_step_once_within_one_command():
+    halves = re.findall(r'TUTEL_GPU_STEPS="([\w ]+)" bash benchmarks/run_on_gpu.sh', _script())
+    limits = _step_limits()
+    assert set(limits) == {"build", "gpu_tests", "helloworld", "cuda_kernels", "transformers_moe"}
+    assert len(halves) == 2
+    named = [name for half in halves for name in half.split()]
+    assert sorted(named) == sorted(limits), "each step in exactly one half"
+    for half in halves:
+        assert sum(limits[name] for name in half.split()) <= ONE_COMMAND_SECONDS, half
+    assert "build" in halves[0].split(), "the first half builds what the second one uses"
+
+
+def test_without_the_build_step_a_cpu_only_extension_is_refused(tmp_path):
+    from tutel._extension import load_extension
+    if load_extension().with_cuda:
+        pytest.skip("this build has the CUDA operators: the script would run the step")
+    result = _run("helloworld", tmp_path)
+    assert result.returncode == 1
+    assert "no build step" in result.stdout and "no CUDA operators" in result.stdout
+    assert not (tmp_path / "out" / "helloworld.log").exists()
