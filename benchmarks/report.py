@@ -26,7 +26,7 @@ KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
 # optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
 CHANGE_BENCHMARKS = ("compare_builds",)
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
-GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels")
+GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels", "decode_line_cuda")
 
 # The issue's targets (fp32, this 2-core machine).
 TARGETS = {"layer/ideal E=8": 1.10, "layer/ideal E=64": 1.25, "naive/layer E=64": 5.0, "dispatch of copy": 0.5,
@@ -719,6 +719,24 @@ def cuda_graph_table(moe: dict) -> Optional[str]:
     return text
 
 
+def decode_line_section(line: dict) -> str:
+    """benchmarks/decode_line.py's run: the decode kernel against the grouped path per case, and the
+    line each family's times put between them."""
+    rows = line["rows"]
+    columns = [c for c in line["columns"] if any(c in row for row in rows)]
+    return ("### The decode kernel against the grouped path (where the decode line belongs)\n\n"
+            f"`{line.get('command', 'python benchmarks/decode_line.py')}` on {line.get('device_name')} "
+            f"(torch {line['machine']['torch']}; finished {line['finished']}), the decode line at "
+            f"{line['decode_max_tokens']} tokens during the run.  *decode*: tutel's experts with the line as it "
+            "is; *grouped*: the same calls with the line at 0 tokens.  Eager times end every call with a "
+            "synchronisation; *_graph_ms* are replays of a captured CUDA graph.  *limit_ms*: the chosen "
+            "experts' weights read once at the bandwidth measured in the run.\n\n"
+            + format_table(rows, columns)
+            + "\n\nThe largest T up to which decode is nowhere slower than grouped, and the rows per expert "
+              "(T k / E) there:\n\n"
+            + format_table(line["lines"], list(line["lines"][0]) if line["lines"] else []))
+
+
 def gpu_section(results: Dict[str, dict]) -> str:
     """The GPU runs: transformers' blocks at full size, and tutel's CUDA kernels against a copy."""
     parts = ["## On a GPU", GPU_INTRO]
@@ -735,6 +753,9 @@ def gpu_section(results: Dict[str, dict]) -> str:
         graphs = cuda_graph_table(moe)
         if graphs:
             parts.append("### Kernels per call, CUDA graph replays and host synchronisation\n\n" + graphs)
+    line = results.get("decode_line_cuda")
+    if line:
+        parts.append(decode_line_section(line))
     kernels = results.get("cuda_kernels")
     if kernels:
         parts.append("### tutel's CUDA kernels against a device-to-device copy\n\n"

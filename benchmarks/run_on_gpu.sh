@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU and a CUDA build of PyTorch: builds tutel with its CUDA operators,
 # runs the tests that need a GPU, the helloworld example on the GPU and the GPU benchmarks
-# (cuda_kernels.py; transformers_moe.py at the published models' layer shapes in bfloat16).
+# (cuda_kernels.py; decode_line.py and transformers_moe.py at the published models' layer shapes in
+# bfloat16).
 # Each step has a time limit and its own log; logs and JSON go to DIR (default build/gpu_run).
 #
 #   bash benchmarks/run_on_gpu.sh [DIR]
 #
-# TUTEL_GPU_STEPS picks the steps (default: all, in this order): build gpu_tests helloworld cuda_kernels
-# transformers_moe.  Their limits add up to more than one command may run on a lent machine (600 s), so
-# there run it twice on the same machine, the build kept in the tree between the two (each half's limits
-# stay within 600 s; tests/python/test_run_on_gpu_script.py holds them to it):
-#   TUTEL_GPU_STEPS="build helloworld cuda_kernels" bash benchmarks/run_on_gpu.sh DIR
-#   TUTEL_GPU_STEPS="gpu_tests transformers_moe" bash benchmarks/run_on_gpu.sh DIR
+# TUTEL_GPU_STEPS picks the steps (default: all, in this order): build gpu_tests helloworld
+# cuda_kernels decode_line transformers_moe.  Their limits add up to more than one command may run on
+# a lent machine (600 s), so there run it twice on the same machine, the build kept in the tree
+# between the two (each half's limits stay within 600 s; tests/python/test_run_on_gpu_script.py holds
+# them to it):
+#   TUTEL_GPU_STEPS="build helloworld decode_line" bash benchmarks/run_on_gpu.sh DIR
+#   TUTEL_GPU_STEPS="gpu_tests cuda_kernels transformers_moe" bash benchmarks/run_on_gpu.sh DIR
+# Each limit is a ceiling; the transformers benchmark may run into its own (TUTEL_GPU_BENCH_SECONDS)
+# and then keeps the families it finished.
 # Without the build step the steps use the extension already built in place, which must hold the CUDA
 # operators.
 #
@@ -25,7 +29,7 @@ out="${1:-build/gpu_run}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 failed=()
-all_steps=(build gpu_tests helloworld cuda_kernels transformers_moe)
+all_steps=(build gpu_tests helloworld cuda_kernels decode_line transformers_moe)
 read -r -a steps <<<"${TUTEL_GPU_STEPS:-${all_steps[*]}}"
 for name in "${steps[@]}"; do
     [[ " ${all_steps[*]} " == *" ${name} "* ]] || { echo "TUTEL_GPU_STEPS: unknown step '${name}'; the steps are: ${all_steps[*]}"; exit 2; }
@@ -80,6 +84,7 @@ wanted gpu_tests && TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}
 wanted helloworld && step helloworld 60 bash -c "'$py' -m tutel.examples.helloworld --device cuda --num_steps 20 \
     && '$py' -m tutel.examples.helloworld --device cuda --num_steps 20 --dtype bfloat16"
 wanted cuda_kernels && step cuda_kernels 90 "$py" benchmarks/cuda_kernels.py --reps 20 --out "${out}/cuda_kernels.json"
+wanted decode_line && TAIL_LINES=30 step decode_line 120 "$py" benchmarks/decode_line.py --out "$out"
 wanted transformers_moe && TAIL_LINES=30 step transformers_moe "${TUTEL_GPU_BENCH_SECONDS:-300}" "$py" benchmarks/transformers_moe.py \
     --device cuda --full-size --dtypes bfloat16 --families "${TUTEL_GPU_FAMILIES:-qwen3_moe,mixtral,deepseek_v3,gpt_oss}" \
     --seconds-per-case 1.5 --min-reps 5 --out "$out"

@@ -35,14 +35,15 @@ def test_an_unknown_step_is_refused_with_the_list_of_steps(tmp_path):
     result = _run("build benchmark", tmp_path)
     assert result.returncode == 2
     assert "unknown step 'benchmark'" in result.stdout
-    assert "build gpu_tests helloworld cuda_kernels transformers_moe" in result.stdout
+    assert "build gpu_tests helloworld cuda_kernels decode_line transformers_moe" in result.stdout
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # refused before any step
 
 
 def test_the_prescribed_halves_cover_every_step_once_within_one_command():
     halves = re.findall(r'TUTEL_GPU_STEPS="([\w ]+)" bash benchmarks/run_on_gpu.sh', _script())
     limits = _step_limits()
-    assert set(limits) == {"build", "gpu_tests", "helloworld", "cuda_kernels", "transformers_moe"}
+    assert set(limits) == {"build", "gpu_tests", "helloworld", "cuda_kernels", "decode_line",
+                           "transformers_moe"}
     assert len(halves) == 2
     named = [name for half in halves for name in half.split()]
     assert sorted(named) == sorted(limits), "each step in exactly one half"

@@ -33,7 +33,8 @@ from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
 # The sizes the CUDA kernel is made (and tested) for: up to 32 tokens and 256 choices (32 tokens
 # of k = 8).  Every block scans the choices before its own to find its expert's, so the kernel's
 # bookkeeping grows with the square of the choices, and past a few rows per expert its products
-# on CUDA cores lose to a grouped product.  Not a measured line: no GPU timing backs it yet.
+# on CUDA cores lose to a grouped product.  Not a measured line: no GPU timing backs it yet
+# (benchmarks/decode_line.py measures both paths on either side of it).
 DECODE_MAX_TOKENS = 32
 DECODE_MAX_CHOICES = 256
 # Expert id dtypes the kernel reads as they are (another dtype would need a conversion launch).

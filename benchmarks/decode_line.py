@@ -1,0 +1,207 @@
+"""Where tutel's decode kernel should hand inference over to the grouped path, measured on a GPU.
+
+``tutel.ops.decode_experts.decode_experts_supported`` sends CUDA inference of gated experts of up to
+DECODE_MAX_TOKENS tokens to the decode kernel (each chosen expert's matrices read once, the gated unit
+in registers, no tensor cores) and larger calls to the grouped path (the choices sorted by expert,
+grouped products, the combine).  This script times the two on the same calls, at the published
+models' layer shapes (benchmarks/_hf_blocks.py, FULL_SIZES) and token counts up to the kernel's
+limit, so that the line can be set where the grouped path starts to win:
+
+    decode   transformers' experts module under experts_implementation="tutel", the line as it is
+    grouped  the same call with the line moved to 0 tokens (decode_line_at), so the grouped path runs
+
+Each candidate is timed eager (every call ended by a synchronisation: what a caller waits for) and,
+on CUDA, replayed from a captured CUDA graph (CUDA events; launches then cost next to nothing), in
+interleaved rounds.  limit_ms: the bytes of the distinct experts the call chooses, read once at the
+read bandwidth measured in the same run (_limits.LimitProbes), the floor of a decoding step.
+rows_per_expert = T k / E, the quantity the line is about: below a few rows per expert a grouped
+product wastes most of its tiles.  decode_vs_grouped: the relative difference of the two outputs
+(both in the case's dtype; rounding only).
+
+Per family and dtype, ``lines`` gives the largest T up to which decode is nowhere slower than
+grouped (graph replay and eager separately), and the rows per expert there.
+
+    python benchmarks/decode_line.py                 # on a GPU: writes benchmarks/results/decode_line_cuda.json
+    python benchmarks/decode_line.py --smoke         # tiny blocks on this machine's device (a check that it runs)
+"""
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from _common import RESULTS_DIR, format_table, interleaved_medians, write_result
+from _hf_blocks import FAMILIES, build_block, case_inputs, experts_call, experts_weight_bytes, tutel_backend_name
+from _limits import LimitProbes, synchronized
+from cuda_timing import interleaved_event_medians, try_capture
+
+DEFAULT_TOKENS = "1,2,4,8,12,16,24,32"
+COLUMNS = ["family", "dtype", "T", "k", "E", "rows_per_expert", "decode_taken", "limit_ms", "decode_ms", "grouped_ms",
+           "grouped/decode", "decode_graph_ms", "grouped_graph_ms", "grouped_graph/decode_graph",
+           "decode_graph/limit", "decode_vs_grouped"]
+
+
+@contextlib.contextmanager
+def decode_line_at(tokens: int) -> Iterator[None]:
+    """tutel's decode line (tutel.ops.decode_experts.DECODE_MAX_TOKENS) moved to `tokens` inside."""
+    import tutel.ops.decode_experts as decode_module
+    saved = decode_module.DECODE_MAX_TOKENS
+    decode_module.DECODE_MAX_TOKENS = tokens
+    try:
+        yield
+    finally:
+        decode_module.DECODE_MAX_TOKENS = saved
+
+
+def with_line(fn: Callable[[], object], tokens: int) -> Callable[[], object]:
+    """`fn` run with the decode line at `tokens`."""
+    def run():
+        with decode_line_at(tokens):
+            return fn()
+    return run
+
+
+def decode_taken(tokens: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the 'decode' candidate of a case runs the decode kernel (False on a CPU, where both
+    candidates run the same operator)."""
+    from tutel.ops.decode_experts import decode_experts_supported
+    return decode_experts_supported(tokens, k, dtype, device)
+
+
+def decode_lines(rows: List[Dict[str, object]], decode_key: str, grouped_key: str) -> Dict[str, object]:
+    """From one family's and dtype's rows: the largest T such that at that T and every smaller one
+    measured, decode took no longer than grouped (by `decode_key` and `grouped_key`), with the rows per
+    expert there; T = 0 when grouped wins already at the smallest T, None when a row lacks a time."""
+    ordered = sorted(rows, key=lambda row: row["T"])
+    if not ordered or any(row.get(decode_key) is None or row.get(grouped_key) is None for row in ordered):
+        return {"T": None, "rows_per_expert": None}
+    line = {"T": 0, "rows_per_expert": 0.0}
+    for row in ordered:
+        if row[decode_key] > row[grouped_key]:
+            break
+        line = {"T": row["T"], "rows_per_expert": row["rows_per_expert"]}
+    return line
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _outputs(block, ours: str, x, indices, weights, line: int) -> torch.Tensor:
+    block.config._experts_implementation = ours
+    with torch.no_grad(), decode_line_at(line):
+        return block.experts(x, indices, weights)
+
+
+def measure_case(block, ours: str, tokens: int, reps: int, smoke: bool) -> Dict[str, object]:
+    """One case's row: eager and graph-replay times of both candidates, the limit, the ratios."""
+    import tutel.ops.decode_experts as decode_module
+    experts = block.experts
+    device, dtype = experts.down_proj.device, experts.down_proj.dtype
+    x, indices, weights, _ = case_inputs(block, tokens, train=False)
+    k, num_experts = indices.shape[1], experts.gate_up_proj.shape[0]
+    line = decode_module.DECODE_MAX_TOKENS
+    call = experts_call(block, ours, x, indices, weights, False, None)
+    calls = {"decode": with_line(call, line), "grouped": with_line(call, 0)}
+    probes = LimitProbes(dtype, smoke, str(device))
+    candidates = {name: synchronized(fn, device) for name, fn in calls.items()}
+    candidates.update(probes.candidates())
+    times = interleaved_medians(candidates, reps, warmup=1)
+    read_bytes = probes.rates(times)["read_bytes"]
+    active = int(torch.unique(indices).numel())
+    limit_ms = active * experts_weight_bytes(experts)["per_expert"] / read_bytes * 1e3
+    row: Dict[str, object] = dict(family=block.name, dtype=str(dtype).replace("torch.", ""), T=tokens, k=k,
+                                  E=num_experts, rows_per_expert=tokens * k / num_experts,
+                                  decode_taken=decode_taken(tokens, k, dtype, device), active_experts=active,
+                                  limit_ms=limit_ms, decode_ms=times["decode"] * 1e3, grouped_ms=times["grouped"] * 1e3)
+    row["grouped/decode"] = times["grouped"] / times["decode"]
+    row["decode_vs_grouped"] = _relative_difference(_outputs(block, ours, x, indices, weights, line),
+                                                    _outputs(block, ours, x, indices, weights, 0))
+    row.update(graph_fields(calls, reps, limit_ms) if device.type == "cuda" else
+               {"decode_graph_ms": None, "grouped_graph_ms": None})
+    return row
+
+
+def graph_fields(calls: Dict[str, Callable[[], object]], reps: int, limit_ms: float) -> Dict[str, object]:
+    """<name>_graph_ms of both candidates replayed from their own CUDA graphs (None and
+    <name>_graph_error where a capture failed), their ratio and decode's against the limit."""
+    fields: Dict[str, object] = {}
+    graphs = {}
+    for name, fn in calls.items():
+        captured, error = try_capture(fn)
+        fields[f"{name}_graph_ms"] = None
+        if captured is None:
+            fields[f"{name}_graph_error"] = error
+        else:
+            graphs[name] = captured.graph
+    if graphs:
+        medians = interleaved_event_medians({name: graph.replay for name, graph in graphs.items()}, reps)
+        fields.update((f"{name}_graph_ms", ms) for name, ms in medians.items())
+    del graphs
+    torch.cuda.empty_cache()
+    decode_ms, grouped_ms = fields["decode_graph_ms"], fields["grouped_graph_ms"]
+    fields["grouped_graph/decode_graph"] = grouped_ms / decode_ms if decode_ms and grouped_ms else None
+    fields["decode_graph/limit"] = decode_ms / limit_ms if decode_ms else None
+    return fields
+
+
+def line_summary(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    """decode_lines per family and dtype, eager and under graph replay."""
+    groups: Dict[tuple, List[Dict[str, object]]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["dtype"]), []).append(row)
+    summary = []
+    for (family, dtype), group in groups.items():
+        eager = decode_lines(group, "decode_ms", "grouped_ms")
+        graph = decode_lines(group, "decode_graph_ms", "grouped_graph_ms")
+        summary.append(dict(family=family, dtype=dtype, k=group[0]["k"], E=group[0]["E"], eager_line_T=eager["T"],
+                            eager_line_rows_per_expert=eager["rows_per_expert"], graph_line_T=graph["T"],
+                            graph_line_rows_per_expert=graph["rows_per_expert"]))
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS)
+    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds per case (default 30, smoke 2)")
+    parser.add_argument("--out", default=RESULTS_DIR, help="directory for decode_line_<device>.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny blocks (a check that the script runs)")
+    args = parser.parse_args(argv)
+    reps = args.reps or (2 if args.smoke else 30)
+    device = torch.device(args.device)
+    ours = tutel_backend_name()
+    rows: List[Dict[str, object]] = []
+    started = time.time()
+    for family in args.families.split(","):
+        for dtype_name in args.dtypes.split(","):
+            block = build_block(family, getattr(torch, dtype_name), smoke=args.smoke, device=str(device),
+                                full_size=not args.smoke)
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                rows.append(measure_case(block, ours, tokens, reps, args.smoke))
+                print(format_table(rows[-1:], [c for c in COLUMNS if c in rows[-1]]), file=sys.stderr, flush=True)
+            del block
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    summary = line_summary(rows)
+    import tutel.ops.decode_experts as decode_module
+    payload = dict(rows=rows, columns=COLUMNS, lines=summary, decode_max_tokens=decode_module.DECODE_MAX_TOKENS,
+                   device=str(device), seconds=time.time() - started, reps=reps,
+                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                   command="python benchmarks/decode_line.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    path = write_result(args.out, f"decode_line_{device.type}", payload, args.smoke)
+    print(format_table(rows, [c for c in COLUMNS if any(c in row for row in rows)]))
+    print()
+    print(format_table(summary, list(summary[0]) if summary else []))
+    print(f"wrote {os.path.relpath(path)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

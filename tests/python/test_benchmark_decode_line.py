@@ -1,0 +1,114 @@
+"""benchmarks/decode_line.py: the line it reads off its rows, the switch between its two candidates
+(traced on fake CUDA tensors, the path a GPU takes), and a run at tiny sizes.  No timing is checked."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from launch_count import OperatorCount, fake_cuda
+from tutel.experts.routed import routed_experts
+
+BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "benchmarks")
+DECODE = "tutel.decode_experts.default"
+
+
+def load_benchmark():
+    if BENCHMARKS_DIR not in sys.path:
+        sys.path.insert(0, BENCHMARKS_DIR)
+    spec = importlib.util.spec_from_file_location("tutel_benchmark_decode_line",
+                                                  os.path.join(BENCHMARKS_DIR, "decode_line.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(times):
+    """Rows of one family as decode_line.py writes them: (T, decode ms, grouped ms); k = 2 of E = 8."""
+    return [dict(T=t, rows_per_expert=t * 2 / 8, decode_ms=d, grouped_ms=g) for t, d, g in times]
+
+
+@pytest.mark.parametrize("times, line", [
+    ([(1, 0.1, 0.3), (2, 0.1, 0.2), (4, 0.2, 0.2), (8, 0.5, 0.3), (16, 0.4, 0.6)], (4, 1.0)),  # the first loss ends it
+    ([(4, 0.2, 0.2), (1, 0.1, 0.3), (2, 0.1, 0.2)], (4, 1.0)),  # unsorted rows; a tie keeps the decode kernel
+    ([(1, 0.3, 0.1), (2, 0.1, 0.2)], (0, 0.0)),  # grouped already wins at the smallest T
+    ([(1, 0.1, 0.3), (32, 0.2, 0.3)], (32, 8.0)),  # decode wins everywhere measured
+    ([(1, 0.1, None), (2, 0.1, 0.2)], (None, None)),  # a capture that failed: no line
+])
+def test_the_line_is_the_last_token_count_of_the_first_unbroken_run_of_decode_wins(times, line):
+    found = load_benchmark().decode_lines(_rows(times), "decode_ms", "grouped_ms")
+    assert (found["T"], found["rows_per_expert"]) == line
+
+
+def test_the_summary_reads_a_line_per_family_and_dtype_for_eager_and_graph_times():
+    module = load_benchmark()
+    rows = [dict(family=f, dtype="bfloat16", k=2, E=8, T=t, rows_per_expert=t / 4, decode_ms=d, grouped_ms=g,
+                 decode_graph_ms=dg, grouped_graph_ms=gg)
+            for f, t, d, g, dg, gg in [("a", 1, 1, 2, 1, 2), ("a", 8, 3, 2, 1, 2), ("b", 1, 2, 1, 1, 2)]]
+    summary = {row["family"]: row for row in module.line_summary(rows)}
+    assert (summary["a"]["eager_line_T"], summary["a"]["graph_line_T"]) == (1, 8)
+    assert (summary["b"]["eager_line_T"], summary["b"]["graph_line_T"]) == (0, 1)
+    assert summary["a"]["graph_line_rows_per_expert"] == 2.0
+
+
+def _routed_call(tokens):
+    """routed_experts inference on fake CUDA tensors (SwiGLU, 8 experts of top-2)."""
+    hidden, inter, experts = 64, 32, 8
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, experts, (tokens, 2), device="cuda")
+    weights = torch.rand(tokens, 2, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        with torch.no_grad():
+            return routed_experts(x, ids, weights, up, down, gate="swiglu")
+    return call
+
+
+def test_the_grouped_candidate_runs_the_grouped_path_and_the_line_comes_back():
+    module = load_benchmark()
+    with fake_cuda():
+        call = _routed_call(16)
+        with OperatorCount() as as_is:
+            call()
+        with OperatorCount() as moved:
+            module.with_line(call, 0)()
+        with pytest.raises(RuntimeError, match="inside"):
+            with module.decode_line_at(0):
+                raise RuntimeError("inside")
+        with OperatorCount() as after:
+            call()
+    assert as_is.operators == [DECODE] and after.operators == [DECODE]
+    assert DECODE not in moved.operators and "tutel.group_by_expert.default" in moved.operators
+
+
+def test_smoke_run_writes_every_case(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        returned = load_benchmark().main(["--smoke", "--device", "cpu", "--tokens", "1,4", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    with open(tmp_path / "decode_line_cpu.json") as handle:
+        written = json.load(handle)
+    assert written["benchmark"] == "decode_line_cpu" and written["smoke"] is True
+    assert written["decode_max_tokens"] == returned["decode_max_tokens"] > 0
+    rows = written["rows"]
+    assert {(row["family"], row["T"]) for row in rows} == {(f, t) for f in ("qwen3_moe", "mixtral", "deepseek_v3",
+                                                                            "gpt_oss") for t in (1, 4)}
+    for row in rows:
+        assert row["decode_ms"] > 0 and row["grouped_ms"] > 0 and row["limit_ms"] > 0
+        assert row["decode_taken"] is False  # no decode kernel on a CPU: both candidates run one operator
+        assert row["decode_vs_grouped"] == 0.0
+        assert row["decode_graph_ms"] is None and row["grouped_graph_ms"] is None
+    assert len(written["lines"]) == 4 and all(line["graph_line_T"] is None for line in written["lines"])
+    report = importlib.import_module("report")
+    text = report.gpu_section({"decode_line_cuda": dict(written, device_name="a GPU")})
+    section = text[text.index("### The decode kernel against the grouped path"):]
+    assert "on a GPU (torch" in section and f"line at {written['decode_max_tokens']} tokens" in section
+    tables = [line for line in section.splitlines() if line.startswith("| family |")]
+    assert len(tables) == 2 and " grouped/decode |" in tables[0] and " eager_line_T |" in tables[1]
+    assert sum(line.startswith("| gpt_oss |") for line in section.splitlines()) == 3  # 2 cases and its line
