@@ -33,11 +33,10 @@ by ``torch.compile(fullgraph=True)`` (the grouped products are one opaque operat
 ``tutel.ops.grouped_mm.grouped_rows_mm``).  On CUDA a call is a handful of kernels with nothing
 read back to the host, so CUDA graphs capture it: tutel's ``group_by_expert`` (the choices sorted by
 expert, two launches), the grouped rows' copy, PyTorch's ``grouped_mm`` for the products (bfloat16
-with 16-byte aligned rows, where it has a kernel), tutel's fused gated unit and the weighted
-combine; inference of up to 32 tokens is instead one call of tutel's ``decode_experts``
-(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  Other dtypes and
-odd feature sizes on CUDA run one product per expert, which reads the per-expert row counts back
-(a host synchronisation).  On CPU 16-bit data on a CPU without native 16-bit dot products is
+with 16-byte aligned rows, where it has a kernel; tutel's tiled grouped kernels for other dtypes
+and odd feature sizes, which read the group ends on the device too), tutel's fused gated unit and
+the weighted combine; inference of up to 32 tokens is instead one call of tutel's ``decode_experts``
+(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  On CPU 16-bit data on a CPU without native 16-bit dot products is
 multiplied in float32 once experts average 32 rows or more (``tutel.ops.precision``); the result
 keeps x's dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in
 one call of tutel's ``routed_gated_experts`` operator.  ``tutel.rules.paths`` chooses among these.

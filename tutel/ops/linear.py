@@ -101,7 +101,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ``[E, C, O]`` or ``[N, O]``.  The grouped layout runs each expert's product only over its
         own rows, all from one operator call: tutel's grouped operator on CPU (it measured faster
         than ``torch.nn.functional.grouped_mm`` there), ``grouped_mm`` on other devices where
-        PyTorch has it for the operands, else one product per expert.  16-bit operands on a CPU
+        PyTorch has it for the operands, else tutel's grouped kernels on CUDA and one product per
+        expert elsewhere (``tutel.ops.grouped_mm.grouped_rows_mm``).  16-bit operands on a CPU
         without 16-bit dot products run in float32 once experts have enough rows
         (``tutel.ops.precision``).
     """
@@ -131,8 +132,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to the "
                          f"{x.shape[0]} rows of `x`, got {group_rows}")
     if x.device.type != "cpu" or (bias is not None and bias.dtype != x.dtype):
-        # Off the CPU: one grouped_mm where PyTorch has it for these operands (else a loop over
-        # the experts); a wider bias (autocast) is added after the product.
+        # Off the CPU: grouped_rows_mm (grouped_mm where PyTorch has it for these operands, else
+        # tutel's grouped kernels); a wider bias (autocast) is added after the product.
         ends = torch.tensor(group_rows, device=x.device).cumsum(0)
         out = grouped_rows_mm(x, weight, ends, transposed=not weight_transposed)
         if bias is None:
