@@ -9,6 +9,7 @@ import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from torch.utils import cpp_extension
 
 from install_checks import module_requires, require
@@ -104,3 +105,41 @@ def test_embedded_file_table_lists_every_kernel_file(tmp_path):
     before = output.stat().st_mtime_ns
     embed_kernels.write_if_changed(os.path.join(ROOT, "kernels"), str(output))
     assert output.stat().st_mtime_ns == before
+
+
+def test_the_kernel_parameter_header_is_what_the_kernels_declare():
+    """csrc/cuda/kernel_params.h, against which every launch's arguments are checked at compile
+    time, is regenerated from kernels/ unchanged."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "cuda", "kernel_params.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+LAUNCH_PROBE = r"""
+#include "cuda/kernel_params.h"
+#include "cuda/launch.h"
+// cumsum_chunk_offsets(pointer, i64, i64)
+void probe(tutel::cuda::CUfunction f, tutel::cuda::CUstream stream, const void* data, int64_t n, int small,
+           bool flag) {
+  const tutel::cuda::CheckedFunction<tutel::cuda::kernels::cumsum_chunk_offsets::params> kernel{f};
+  tutel::cuda::launch_kernel(kernel, tutel::cuda::Grid{}, stream, "probe", ARGUMENTS);
+}
+"""
+
+
+@pytest.mark.parametrize("arguments, compiles", [
+    ("data, n, n", True),
+    ("static_cast<int*>(nullptr), n, int64_t(small)", True),  # any pointer; an explicit int64_t
+    ("data, n, small", False),  # an int where the kernel reads 8 bytes
+    ("data, n, flag", False),
+    ("data, n", False),
+    ("data, n, n, n", False),
+    ("n, data, n", False),
+])
+def test_a_launch_with_arguments_of_other_types_than_the_kernel_does_not_compile(tmp_path, arguments, compiles):
+    source = tmp_path / "launch_probe.cpp"
+    source.write_text(LAUNCH_PROBE)
+    _, code, messages = syntax_check(str(source), [f"-DARGUMENTS={arguments}"], [])
+    assert (code == 0) == compiles, messages
+    if not compiles:
+        assert "the launch's argument types are not the kernel's parameters" in messages

@@ -87,12 +87,18 @@ def test_every_kernel_source_compiles_in_every_variant(cubins):
 
 
 def launched_kernels():
-    """(program, function) pairs named by the host code's kernel tables."""
-    pairs = set()
+    """(program, function) pairs of the kernels the host code declares (Kernel<cuda::kernels::NAME>),
+    each placed in its program by csrc/cuda/kernel_params.h."""
+    with open(os.path.join(ROOT, "csrc", "cuda", "kernel_params.h")) as handle:
+        entries = dict((name, program) for program, name in re.findall(
+            r'static constexpr const char\* file = "(\w+\.cu)";\s*static constexpr const char\* function = "(\w+)";',
+            handle.read()))
+    names = set()
     for path in glob.glob(os.path.join(ROOT, "csrc", "ops", "cuda", "*.cpp")):
         with open(path) as handle:
-            pairs.update(re.findall(r'\{"(\w+\.cu)", "(\w+)"\}', handle.read()))
-    return sorted(pairs)
+            names.update(re.findall(r"Kernel<cuda::kernels::(\w+)>", handle.read()))
+    assert names <= set(entries), sorted(names - set(entries))
+    return sorted((entries[name], name) for name in names)
 
 
 def test_every_launched_kernel_exists_in_its_program(cubins):

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../../cuda/driver_api.h"
+#include "../../cuda/kernel_params.h"
 #include "../../cuda/kernel_programs.h"
 #include "../../cuda/launch.h"
 #include "../../cuda/launch_plan.h"
@@ -55,18 +56,32 @@ Variant data_variant(at::ScalarType dtype);
 Variant mask_variant(at::ScalarType dtype);
 
 // One kernel of kernels/<file> in all of the file's variants; handles are
-// made on first use.  Declared as {"file.cu", "function"} statics, a form the
-// kernel compile test reads to check that every launched kernel exists.
+// made on first use.  Made only as a Kernel (below).
 class KernelFamily {
  public:
-  KernelFamily(const char* file, const char* function) : file_(file), function_(function) {}
   ~KernelFamily();
-  CUfunction get(int device, Variant variant = Variant::kNone) const;
+
+ protected:
+  KernelFamily(const char* file, const char* function) : file_(file), function_(function) {}
+  CUfunction get(int device, Variant variant) const;
 
  private:
   const char* file_;
   const char* function_;
   mutable std::array<std::atomic<cuda::KernelHandle*>, static_cast<int>(Variant::kCount)> handles_{};
+};
+
+// The kernel K of cuda/kernel_params.h (generated from kernels/), declared as a
+// `const Kernel<cuda::kernels::NAME>` static: get() hands back its function with
+// K's parameter list, so that cuda::launch_kernel checks a launch's argument
+// types against the kernel's at compile time.
+template <class K>
+class Kernel : public KernelFamily {
+ public:
+  Kernel() : KernelFamily(K::file, K::function) {}
+  cuda::CheckedFunction<typename K::params> get(int device, Variant variant = Variant::kNone) const {
+    return {KernelFamily::get(device, variant)};
+  }
 };
 
 // Pointer arguments: nullptr for an undefined or empty optional tensor.

@@ -11,9 +11,9 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kChunkTotals{"cumsum.cu", "cumsum_chunk_totals"};
-const KernelFamily kChunkOffsets{"cumsum.cu", "cumsum_chunk_offsets"};
-const KernelFamily kChunkScan{"cumsum.cu", "cumsum_chunk_scan"};
+const Kernel<cuda::kernels::cumsum_chunk_totals> kChunkTotals;
+const Kernel<cuda::kernels::cumsum_chunk_offsets> kChunkOffsets;
+const Kernel<cuda::kernels::cumsum_chunk_scan> kChunkScan;
 
 at::Tensor cumsum_sub_one_cuda(const at::Tensor& mask_in) {
   const char* op = "cumsum_sub_one";

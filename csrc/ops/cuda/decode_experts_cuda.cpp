@@ -16,14 +16,14 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kGateUpRowsVector{"decode_experts.cu", "decode_gate_up_rows_vector"};
-const KernelFamily kGateUpRowsScalar{"decode_experts.cu", "decode_gate_up_rows_scalar"};
-const KernelFamily kGateUpColumnsVector{"decode_experts.cu", "decode_gate_up_columns_vector"};
-const KernelFamily kGateUpColumnsScalar{"decode_experts.cu", "decode_gate_up_columns_scalar"};
-const KernelFamily kDownRowsVector{"decode_experts.cu", "decode_down_rows_vector"};
-const KernelFamily kDownRowsScalar{"decode_experts.cu", "decode_down_rows_scalar"};
-const KernelFamily kDownColumnsVector{"decode_experts.cu", "decode_down_columns_vector"};
-const KernelFamily kDownColumnsScalar{"decode_experts.cu", "decode_down_columns_scalar"};
+const Kernel<cuda::kernels::decode_gate_up_rows_vector> kGateUpRowsVector;
+const Kernel<cuda::kernels::decode_gate_up_rows_scalar> kGateUpRowsScalar;
+const Kernel<cuda::kernels::decode_gate_up_columns_vector> kGateUpColumnsVector;
+const Kernel<cuda::kernels::decode_gate_up_columns_scalar> kGateUpColumnsScalar;
+const Kernel<cuda::kernels::decode_down_rows_vector> kDownRowsVector;
+const Kernel<cuda::kernels::decode_down_rows_scalar> kDownRowsScalar;
+const Kernel<cuda::kernels::decode_down_columns_vector> kDownColumnsVector;
+const Kernel<cuda::kernels::decode_down_columns_scalar> kDownColumnsScalar;
 
 int weights_dtype_of(at::ScalarType dtype) {
   switch (dtype) {
@@ -77,17 +77,23 @@ at::Tensor decode_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids
   const TutelDecodeRouting routing = routing_of(a);
   const TutelDecodeUnit unit{alpha, up_offset, limit.value_or(0.0), int(limit.has_value()), int(interleaved)};
   const Variant variant = data_variant(a.x.scalar_type());
-  const KernelFamily& gate_up = transposed ? (plan.gate_up_vector ? kGateUpColumnsVector : kGateUpColumnsScalar)
-                                           : (plan.gate_up_vector ? kGateUpRowsVector : kGateUpRowsScalar);
-  const KernelFamily& down = transposed ? (plan.down_vector ? kDownColumnsVector : kDownColumnsScalar)
-                                        : (plan.down_vector ? kDownRowsVector : kDownRowsScalar);
+  const int device = scope.device();
+  // The four kernels of each step take the same parameters: one checked function type.
+  const auto gate_up = transposed ? (plan.gate_up_vector ? kGateUpColumnsVector.get(device, variant)
+                                                         : kGateUpColumnsScalar.get(device, variant))
+                                  : (plan.gate_up_vector ? kGateUpRowsVector.get(device, variant)
+                                                         : kGateUpRowsScalar.get(device, variant));
+  const auto down = transposed ? (plan.down_vector ? kDownColumnsVector.get(device, variant)
+                                                   : kDownColumnsScalar.get(device, variant))
+                               : (plan.down_vector ? kDownRowsVector.get(device, variant)
+                                                   : kDownRowsScalar.get(device, variant));
   const int64_t x_stride = a.x.stride(0), hidden = a.hidden, inter = a.inter, outputs = a.outputs;
   const int64_t counter_count = plan.counter_ints;
-  cuda::launch_kernel(gate_up.get(scope.device(), variant), plan.gate_up_grid, scope.stream(),
+  cuda::launch_kernel(gate_up, plan.gate_up_grid, scope.stream(),
                       "decode_experts (gate/up)", input_ptr(a.x), x_stride, routing, input_ptr(a.up_weight),
                       input_ptr(a.gate_weight), input_ptr(a.up_bias), hidden, inter, unit, output_ptr(h),
                       output_ptr(counters), counter_count, output_ptr(out), outputs);
-  cuda::launch_kernel(down.get(scope.device(), variant), plan.down_grid, scope.stream(), "decode_experts (down)",
+  cuda::launch_kernel(down, plan.down_grid, scope.stream(), "decode_experts (down)",
                       input_ptr(h), routing, input_ptr(a.down_weight), input_ptr(a.down_bias), inter, outputs,
                       output_ptr(y), output_ptr(counters), output_ptr(out));
   return out;

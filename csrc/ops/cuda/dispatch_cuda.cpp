@@ -14,11 +14,11 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kGatherVector{"dispatch.cu", "gather_slots_vector"};
-const KernelFamily kGatherScalar{"dispatch.cu", "gather_slots_scalar"};
-const KernelFamily kScatterClaimSlots{"dispatch.cu", "scatter_claim_slots"};
-const KernelFamily kScatterVector{"dispatch.cu", "scatter_slots_vector"};
-const KernelFamily kScatterScalar{"dispatch.cu", "scatter_slots_scalar"};
+const Kernel<cuda::kernels::gather_slots_vector> kGatherVector;
+const Kernel<cuda::kernels::gather_slots_scalar> kGatherScalar;
+const Kernel<cuda::kernels::scatter_claim_slots> kScatterClaimSlots;
+const Kernel<cuda::kernels::scatter_slots_vector> kScatterVector;
+const Kernel<cuda::kernels::scatter_slots_scalar> kScatterScalar;
 
 static_assert(int(core::WeightType::kFloat32) == TUTEL_WEIGHTS_FLOAT32 &&
                   int(core::WeightType::kFloat64) == TUTEL_WEIGHTS_FLOAT64 &&
@@ -48,8 +48,10 @@ std::tuple<at::Tensor, at::Tensor> gather_slots_cuda(const at::Tensor& rows,
   const cuda::GatherPlan plan =
       cuda::plan_gather(a.tokens, a.model_dim, a.data.element_size(),
                         {row_address(a.data), row_address(a.other), row_address(out)});
-  const KernelFamily& kernel = plan.layout.vector ? kGatherVector : kGatherScalar;
-  cuda::launch_kernel(kernel.get(scope.device(), data_variant(a.data.scalar_type())), plan.grid,
+  const Variant variant = data_variant(a.data.scalar_type());
+  const auto kernel = plan.layout.vector ? kGatherVector.get(scope.device(), variant)
+                                         : kGatherScalar.get(scope.device(), variant);
+  cuda::launch_kernel(kernel, plan.grid,
                       scope.stream(), "gather_slots", input_ptr(a.data), input_ptr(a.indices),
                       input_ptr(a.locations), kernel_weights(a.weights), input_ptr(a.other),
                       output_ptr(dots), output_ptr(out), a.tokens, a.k, a.experts, a.capacity,
@@ -86,8 +88,9 @@ std::tuple<at::Tensor, at::Tensor> scatter_slots_cuda(
                       scope.stream(), "scatter_slots", input_ptr(a.indices), input_ptr(a.locations),
                       a.tokens, a.k, a.experts, a.capacity, output_ptr(slot_table),
                       output_ptr(dots), scope.error_sink());
-  const KernelFamily& kernel = plan.layout.vector ? kScatterVector : kScatterScalar;
-  cuda::launch_kernel(kernel.get(scope.device(), variant), plan.row_grid, scope.stream(),
+  const auto kernel = plan.layout.vector ? kScatterVector.get(scope.device(), variant)
+                                         : kScatterScalar.get(scope.device(), variant);
+  cuda::launch_kernel(kernel, plan.row_grid, scope.stream(),
                       "scatter_slots",
                       input_ptr(a.data), input_ptr(a.indices), input_ptr(a.locations),
                       kernel_weights(a.weights), input_ptr(a.other), output_ptr(dots), output_ptr(out),

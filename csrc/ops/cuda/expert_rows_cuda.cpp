@@ -14,9 +14,9 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kAddExpertBias{"expert_rows.cu", "add_expert_bias"};
-const KernelFamily kExpertRowSums{"expert_rows.cu", "expert_row_sums"};
-const KernelFamily kChoiceRows{"expert_rows.cu", "choice_rows"};
+const Kernel<cuda::kernels::add_expert_bias> kAddExpertBias;
+const Kernel<cuda::kernels::expert_row_sums> kExpertRowSums;
+const Kernel<cuda::kernels::choice_rows> kChoiceRows;
 
 const int* ends_ptr(const at::Tensor& offsets) { return static_cast<const int*>(input_ptr(offsets)); }
 

@@ -16,8 +16,8 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kForward{"gated_units.cu", "gated_unit_forward"};
-const KernelFamily kBackward{"gated_units.cu", "gated_unit_backward"};
+const Kernel<cuda::kernels::gated_unit_forward> kForward;
+const Kernel<cuda::kernels::gated_unit_backward> kBackward;
 
 TutelGatedUnit kernel_unit(const core::GatedUnit& unit) {
   return TutelGatedUnit{unit.alpha, unit.up_offset, unit.limit, unit.clamped ? 1 : 0};

@@ -16,8 +16,8 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kCountExpertChoices{"group_by_expert.cu", "count_expert_choices"};
-const KernelFamily kPlaceExpertChoices{"group_by_expert.cu", "place_expert_choices"};
+const Kernel<cuda::kernels::count_expert_choices> kCountExpertChoices;
+const Kernel<cuda::kernels::place_expert_choices> kPlaceExpertChoices;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert_cuda(
     const at::Tensor& expert_ids, int64_t experts) {

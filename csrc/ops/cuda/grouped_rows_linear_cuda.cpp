@@ -18,8 +18,8 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kProduct{"grouped_rows_gemm.cu", "grouped_rows_product"};
-const KernelFamily kWeightGrad{"grouped_rows_gemm.cu", "grouped_rows_weight_grad"};
+const Kernel<cuda::kernels::grouped_rows_product> kProduct;
+const Kernel<cuda::kernels::grouped_rows_weight_grad> kWeightGrad;
 
 // How grouped_rows_product reads B_e (TUTEL_REDUCTION_CONTIGUOUS / TUTEL_COLUMNS_CONTIGUOUS there).
 constexpr int kReductionContiguous = 0;  // B_e[r][c] at b[e][c][r]

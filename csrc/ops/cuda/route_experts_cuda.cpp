@@ -15,9 +15,9 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kRoute{"route_experts.cu", "route_experts_route"};
-const KernelFamily kPlan{"route_experts.cu", "route_experts_plan"};
-const KernelFamily kBackward{"route_experts.cu", "route_experts_backward"};
+const Kernel<cuda::kernels::route_experts_route> kRoute;
+const Kernel<cuda::kernels::route_experts_plan> kPlan;
+const Kernel<cuda::kernels::route_experts_backward> kBackward;
 
 RouteExpertsTuple route_experts_cuda(const at::Tensor& logits, int64_t k, c10::string_view score_function,
                                      bool softmax_after_topk, const c10::optional<at::Tensor>& selection_bias,

@@ -15,11 +15,11 @@ namespace ops {
 namespace cuda_ops {
 namespace {
 
-const KernelFamily kRouteTopk{"routing_topk.cu", "route_topk"};
-const KernelFamily kPrioritySortKeys{"routing_topk.cu", "priority_sort_keys"};
-const KernelFamily kCountChoices{"slot_assignment.cu", "count_choices"};
-const KernelFamily kScanChoiceCounts{"slot_assignment.cu", "scan_choice_counts"};
-const KernelFamily kAssignSlots{"slot_assignment.cu", "assign_slots"};
+const Kernel<cuda::kernels::route_topk> kRouteTopk;
+const Kernel<cuda::kernels::priority_sort_keys> kPrioritySortKeys;
+const Kernel<cuda::kernels::count_choices> kCountChoices;
+const Kernel<cuda::kernels::scan_choice_counts> kScanChoiceCounts;
+const Kernel<cuda::kernels::assign_slots> kAssignSlots;
 
 // The batch-prioritized claiming order [tokens] int32: descending priority,
 // NaN first, equal priorities in token order (a stable sort of order-mapped
