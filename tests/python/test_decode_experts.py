@@ -4,7 +4,8 @@ experts, ids outside [0, E), every dtype, both weight layouts, SwiGLU, gpt-oss' 
 interleaved unit with biases and separate gate matrices) and against
 tutel.experts.routed.routed_experts; on fake CUDA tensors one operator of the right shape and
 dtype; decode_experts_supported; bad input named.  (The CUDA kernels themselves run on the CPU
-in tests/cpp/kernels_on_cpu/decode_experts_cu_test.cpp.)"""
+in tests/cpp/kernels_on_cpu/decode_experts_cu_test.cpp; on a CUDA device the tests marked
+needs_cuda compare them with the same float64 reference.)"""
 import pytest
 import torch
 
@@ -169,6 +170,76 @@ def test_matches_routed_experts(dtype, transposed, form, with_grad):
     tol = tolerance(dtype)
     torch.testing.assert_close(out, want.detach(), rtol=tol["rtol"],
                                atol=tol["atol"] * max(1.0, float(want.detach().abs().max())))
+
+
+# ----------------------------------------------------- the CUDA kernels (needs a CUDA device) --
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def on_cuda(p):
+    """p's arguments and keyword arguments on the CUDA device."""
+    def move(v):
+        return v.cuda() if isinstance(v, torch.Tensor) else v
+    return [move(t) for t in p.args()], {name: move(v) for name, v in p.kwargs().items()}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "transposed"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "T{}_k{}_E{}_H{}_I{}_O{}".format(*s))
+def test_cuda_kernels_match_float64_reference(dtype, transposed, form, sizes):
+    p = Problem(dtype, *sizes, transposed, form, seed=sum(sizes))
+    args, kwargs = on_cuda(p)
+    with torch.no_grad():
+        out = decode_experts(*args, **kwargs)
+    assert out.device.type == "cuda"
+    assert_close_scaled(out.cpu(), reference(*p.args(), **p.kwargs()), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", range(0, DECODE_MAX_TOKENS + 1))
+def test_cuda_every_decode_token_count(tokens):
+    p = Problem(torch.bfloat16, tokens, 1 + tokens % 8, 16, 19, 11, 19, tokens % 2 == 1, "gpt_oss", seed=tokens)
+    args, kwargs = on_cuda(p)
+    with torch.no_grad():
+        out = decode_experts(*args, **kwargs)
+    assert_close_scaled(out.cpu(), reference(*p.args(), **p.kwargs()), torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("weights_dtype", [None, torch.float64, torch.bfloat16])
+def test_cuda_int32_ids_strided_routing_and_weight_dtypes(weights_dtype):
+    p = Problem(torch.float32, 6, 3, 5, 11, 7, 11, False, "swiglu", seed=3)
+    ids = p.expert_ids.int().t().contiguous().t()
+    weights = None if weights_dtype is None else p.weights.to(weights_dtype).t().contiguous().t()
+    with torch.no_grad():
+        out = decode_experts(p.x.cuda(), ids.cuda(), None if weights is None else weights.cuda(),
+                             p.up_weight.cuda(), p.down_weight.cuda())
+    assert_close_scaled(out.cpu(), reference(p.x, ids, weights, p.up_weight, p.down_weight), torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("form", ["swiglu", "gpt_oss"])
+def test_cuda_results_repeat_bit_for_bit_and_a_cuda_graph_replays_them(form):
+    """No float atomics: the same inputs give the same bits, eager or replayed from a CUDA graph
+    (whose capture fails if the call synchronises with the host)."""
+    p = Problem(torch.bfloat16, 24, 8, 64, 40, 24, 40, True, form, seed=7)
+    args, kwargs = on_cuda(p)
+    with torch.no_grad():
+        first = decode_experts(*args, **kwargs)
+        second = decode_experts(*args, **kwargs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decode_experts(*args, **kwargs)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = decode_experts(*args, **kwargs)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(first, second) and torch.equal(first, captured)
 
 
 # -------------------------------------------------------------------- the CUDA path, faked --

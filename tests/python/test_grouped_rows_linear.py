@@ -6,7 +6,8 @@ takes the operator (no host read of the ends) wherever PyTorch's grouped_mm has 
 
 The CUDA kernels themselves (kernels/grouped_rows_gemm.cu) are checked against a long double loop
 by their kernels-on-cpu test (tests/cpp/kernels_on_cpu/grouped_rows_gemm_cu_test.cpp), launched as
-csrc/ops/cuda/grouped_rows_linear_cuda.cpp launches them.
+csrc/ops/cuda/grouped_rows_linear_cuda.cpp launches them; on a CUDA device the float64 comparison
+below runs them too.
 """
 import pytest
 import torch
@@ -62,11 +63,18 @@ def _operands(case, dtype, transposed, gen):
     return rows, weight, bias, ends
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
+# The compiled operator on the CPU and, where there is a CUDA device, on it (the kernels of
+# kernels/grouped_rows_gemm.cu), and the composite one on the CPU.
+RUNS = [pytest.param("compiled", "cpu", id="compiled"), pytest.param("composite", "cpu", id="composite"),
+        pytest.param("compiled", "cuda", id="cuda",
+                     marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("implementation, device", RUNS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}_E{c[1]}_K{c[2]}_O{c[3]}")
-def test_product_and_gradients_match_the_float64_loop(implementation, dtype, transposed, case):
+def test_product_and_gradients_match_the_float64_loop(implementation, device, dtype, transposed, case):
     ops = IMPLEMENTATIONS[implementation]
     gen = torch.Generator().manual_seed(case[0] * 31 + case[1])
     rows64, weight64, bias64, ends = _operands(case, dtype, transposed, gen)
@@ -77,8 +85,11 @@ def test_product_and_gradients_match_the_float64_loop(implementation, dtype, tra
     # The reference takes the values the operator is given (rounded to the dtype), in float64.
     leaves = [t.detach().double().clone().requires_grad_() for t in (rows, weight, bias)]
     want = reference(*leaves[:2], ends, transposed, leaves[2])
+    on = torch.device(device)
+    d_rows = torch.empty(rows.shape[0], rows.shape[1] + 2, dtype=dtype, device=on)[:, :rows.shape[1]].copy_(rows)
+    d_weight, d_bias, d_offsets = weight.to(on), bias.to(on), offsets.to(on)
     for with_bias in (True, False):
-        out = ops.grouped_rows_linear(rows, weight, bias if with_bias else None, offsets, transposed)
+        out = ops.grouped_rows_linear(d_rows, d_weight, d_bias if with_bias else None, d_offsets, transposed).cpu()
         expected = want if with_bias else reference(leaves[0].detach(), leaves[1].detach(), ends, transposed, None)
         assert out.dtype == dtype and out.shape == expected.shape
         torch.testing.assert_close(out.double(), expected.detach(), rtol=rtol, atol=atol)
@@ -86,7 +97,8 @@ def test_product_and_gradients_match_the_float64_loop(implementation, dtype, tra
 
     grad = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
     wanted = torch.autograd.grad(want, leaves, grad.double()) if want.numel() else [torch.zeros_like(t) for t in leaves]
-    got = ops.grouped_rows_linear_backward(grad, rows, weight, offsets, transposed, [True, True, True])
+    got = [g.cpu() for g in ops.grouped_rows_linear_backward(grad.to(on), d_rows, d_weight, d_offsets, transposed,
+                                                              [True, True, True])]
     for name, g, w in zip(("rows", "weight", "bias"), got, wanted):
         assert g.dtype == dtype and g.shape == w.shape, name
         # the weight's and bias' gradients sum over up to 100 rows

@@ -60,3 +60,17 @@ def test_without_the_build_step_a_cpu_only_extension_is_refused(tmp_path):
     assert result.returncode == 1
     assert "no build step" in result.stdout and "no CUDA operators" in result.stdout
     assert not (tmp_path / "out" / "helloworld.log").exists()
+
+
+def test_the_gpu_tests_are_every_test_file_with_tests_that_need_a_cuda_device():
+    """A test file whose tests skip without a CUDA device runs them in the script's gpu_tests step."""
+    listed = set(re.findall(r"tests/python/[\w/]+\.py", _script()[_script().index("gpu_tests=("):]))
+    tests_dir = os.path.join(REPO, "tests", "python")
+    needing = set()
+    for directory, _, names in os.walk(tests_dir):
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py") and name != os.path.basename(__file__):
+                with open(os.path.join(directory, name)) as handle:
+                    if re.search(r"reason=\"needs a CUDA device\"|cuda_available\b", handle.read()):
+                        needing.add(os.path.relpath(os.path.join(directory, name), REPO))
+    assert needing and needing <= listed, sorted(needing - listed)
