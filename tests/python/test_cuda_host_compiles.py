@@ -143,3 +143,20 @@ def test_a_launch_with_arguments_of_other_types_than_the_kernel_does_not_compile
     assert (code == 0) == compiles, messages
     if not compiles:
         assert "the launch's argument types are not the kernel's parameters" in messages
+
+
+@pytest.mark.parametrize("declaration, kind", [
+    ("const storage_t* __restrict__ a", "AnyPointer"), ("int* counts", "AnyPointer"), ("const i64 n", "int64_t"),
+    ("i64 rows", "int64_t"), ("int b_layout", "int"), ("double scale", "double"),
+    ("TutelErrorSink errors", "TutelErrorSink"), ("const struct TutelGatedUnit unit", "TutelGatedUnit"),
+])
+def test_each_kernel_parameter_gets_the_type_the_host_passes(declaration, kind):
+    import kernel_params
+    assert kernel_params.parameter_kind(declaration, "test") == kind
+
+
+def test_a_parameter_of_a_variant_type_is_refused():
+    """acc_t is float or double by variant: the host could not name one type for it."""
+    import kernel_params
+    with pytest.raises(ValueError, match="`acc_t alpha` has a type the host cannot name"):
+        kernel_params.parameter_kind("acc_t alpha", "kernels/x.cu: k")
