@@ -15,7 +15,9 @@
 #   TUTEL_GPU_STEPS="build helloworld decode_line" bash benchmarks/run_on_gpu.sh DIR
 #   TUTEL_GPU_STEPS="gpu_tests cuda_kernels transformers_moe" bash benchmarks/run_on_gpu.sh DIR
 # Each limit is a ceiling; the transformers benchmark may run into its own (TUTEL_GPU_BENCH_SECONDS)
-# and then keeps the families it finished.
+# and then keeps the families it finished.  A lent machine keeps the build only while it stays warm
+# between commands (30 s on the H200s): start the second half at once, and on a fresh machine put
+# build back into its steps.
 # Without the build step the steps use the extension already built in place, which must hold the CUDA
 # operators.
 #
