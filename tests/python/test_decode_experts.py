@@ -4,8 +4,8 @@ experts, ids outside [0, E), every dtype, both weight layouts, SwiGLU, gpt-oss' 
 interleaved unit with biases and separate gate matrices) and against
 tutel.experts.routed.routed_experts; on fake CUDA tensors one operator of the right shape and
 dtype; decode_experts_supported; bad input named.  (The CUDA kernels themselves run on the CPU
-in tests/cpp/kernels_on_cpu/decode_experts_cu_test.cpp; on a CUDA device the tests marked
-needs_cuda compare them with the same float64 reference.)"""
+in tests/cpp/kernels_on_cpu/decode_experts_cu_test.cpp; on a CUDA device the reference tests run
+them too, and a test checks that they repeat bit for bit, in a CUDA graph as well.)"""
 import pytest
 import torch
 
@@ -116,32 +116,55 @@ SIZES = [
 ]
 
 
+# The operator on the CPU and, where there is one, on a CUDA device (the kernels of
+# kernels/decode_experts.cu), against the same float64 reference computed on the CPU.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def on(device, *tensors):
+    """`tensors` on `device` (None stays None); views keep their strides."""
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def decode_on(device, p):
+    """decode_experts of Problem `p` on `device`, without autograd; the result on the CPU."""
+    kwargs = dict(zip(p.kwargs(), on(device, *p.kwargs().values())))
+    with torch.no_grad():
+        out = decode_experts(*on(device, *p.args()), **kwargs)
+    assert out.device.type == device
+    return out.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "transposed"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "T{}_k{}_E{}_H{}_I{}_O{}".format(*s))
-def test_matches_float64_reference(dtype, transposed, form, sizes):
+def test_matches_float64_reference(device, dtype, transposed, form, sizes):
     p = Problem(dtype, *sizes, transposed, form, seed=sum(sizes))
-    out = decode_experts(*p.args(), **p.kwargs())
-    assert_close_scaled(out, reference(*p.args(), **p.kwargs()), dtype)
+    assert_close_scaled(decode_on(device, p), reference(*p.args(), **p.kwargs()), dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", range(0, DECODE_MAX_TOKENS + 1))
-def test_every_decode_token_count(tokens):
+def test_every_decode_token_count(device, tokens):
     """T = 0 to 32 with k = 1 + T % 8, bfloat16 with gpt-oss' unit (the common decoding case)."""
     p = Problem(torch.bfloat16, tokens, 1 + tokens % 8, 16, 19, 11, 19, tokens % 2 == 1, "gpt_oss", seed=tokens)
-    assert_close_scaled(decode_experts(*p.args(), **p.kwargs()), reference(*p.args(), **p.kwargs()),
-                        torch.bfloat16)
+    assert_close_scaled(decode_on(device, p), reference(*p.args(), **p.kwargs()), torch.bfloat16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weights_dtype", [None, torch.float64, torch.bfloat16, torch.float16])
-def test_int32_ids_strided_routing_and_weight_dtypes(weights_dtype):
+def test_int32_ids_strided_routing_and_weight_dtypes(device, weights_dtype):
     """int32 ids, weights of another dtype than the data (or none), [k, T] tensors seen as [T, k]."""
     p = Problem(torch.float32, 6, 3, 5, 11, 7, 11, False, "swiglu", seed=3)
     ids = p.expert_ids.int().t().contiguous().t()
     weights = None if weights_dtype is None else p.weights.to(weights_dtype).t().contiguous().t()
-    assert not ids.is_contiguous()
-    out = decode_experts(p.x, ids, weights, p.up_weight, p.down_weight)
+    on_device = on(device, p.x, ids, weights, p.up_weight, p.down_weight)
+    assert not on_device[1].is_contiguous()
+    with torch.no_grad():
+        out = decode_experts(*on_device).cpu()
     assert_close_scaled(out, reference(p.x, ids, weights, p.up_weight, p.down_weight), torch.float32)
 
 
@@ -173,59 +196,14 @@ def test_matches_routed_experts(dtype, transposed, form, with_grad):
 
 
 # ----------------------------------------------------- the CUDA kernels (needs a CUDA device) --
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def on_cuda(p):
-    """p's arguments and keyword arguments on the CUDA device."""
-    def move(v):
-        return v.cuda() if isinstance(v, torch.Tensor) else v
-    return [move(t) for t in p.args()], {name: move(v) for name, v in p.kwargs().items()}
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "transposed"])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "T{}_k{}_E{}_H{}_I{}_O{}".format(*s))
-def test_cuda_kernels_match_float64_reference(dtype, transposed, form, sizes):
-    p = Problem(dtype, *sizes, transposed, form, seed=sum(sizes))
-    args, kwargs = on_cuda(p)
-    with torch.no_grad():
-        out = decode_experts(*args, **kwargs)
-    assert out.device.type == "cuda"
-    assert_close_scaled(out.cpu(), reference(*p.args(), **p.kwargs()), dtype)
-
-
-@needs_cuda
-@pytest.mark.parametrize("tokens", range(0, DECODE_MAX_TOKENS + 1))
-def test_cuda_every_decode_token_count(tokens):
-    p = Problem(torch.bfloat16, tokens, 1 + tokens % 8, 16, 19, 11, 19, tokens % 2 == 1, "gpt_oss", seed=tokens)
-    args, kwargs = on_cuda(p)
-    with torch.no_grad():
-        out = decode_experts(*args, **kwargs)
-    assert_close_scaled(out.cpu(), reference(*p.args(), **p.kwargs()), torch.bfloat16)
-
-
-@needs_cuda
-@pytest.mark.parametrize("weights_dtype", [None, torch.float64, torch.bfloat16])
-def test_cuda_int32_ids_strided_routing_and_weight_dtypes(weights_dtype):
-    p = Problem(torch.float32, 6, 3, 5, 11, 7, 11, False, "swiglu", seed=3)
-    ids = p.expert_ids.int().t().contiguous().t()
-    weights = None if weights_dtype is None else p.weights.to(weights_dtype).t().contiguous().t()
-    with torch.no_grad():
-        out = decode_experts(p.x.cuda(), ids.cuda(), None if weights is None else weights.cuda(),
-                             p.up_weight.cuda(), p.down_weight.cuda())
-    assert_close_scaled(out.cpu(), reference(p.x, ids, weights, p.up_weight, p.down_weight), torch.float32)
-
-
 @needs_cuda
 @pytest.mark.parametrize("form", ["swiglu", "gpt_oss"])
 def test_cuda_results_repeat_bit_for_bit_and_a_cuda_graph_replays_them(form):
     """No float atomics: the same inputs give the same bits, eager or replayed from a CUDA graph
     (whose capture fails if the call synchronises with the host)."""
     p = Problem(torch.bfloat16, 24, 8, 64, 40, 24, 40, True, form, seed=7)
-    args, kwargs = on_cuda(p)
+    args = on("cuda", *p.args())
+    kwargs = dict(zip(p.kwargs(), on("cuda", *p.kwargs().values())))
     with torch.no_grad():
         first = decode_experts(*args, **kwargs)
         second = decode_experts(*args, **kwargs)
