@@ -178,6 +178,30 @@ def interleaved_event_medians(candidates: Dict[str, Callable[[], object]], reps:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def graph_replay_fields(calls: Dict[str, Callable[[], object]], reps: int,
+                        capture: Callable[..., Tuple[Optional[CapturedGraph], Optional[str]]] = try_capture,
+                        medians: Callable[..., Dict[str, float]] = interleaved_event_medians) -> Dict[str, object]:
+    """<name>_graph_ms of every candidate: each captured into its own CUDA graph (`capture`, as
+    try_capture), the replays of those that captured timed in `reps` interleaved rounds (`medians`,
+    as interleaved_event_medians), then the graphs freed; a candidate that did not capture gets None
+    and <name>_graph_error."""
+    fields: Dict[str, object] = {}
+    graphs, replays = {}, {}
+    for name, fn in calls.items():
+        captured, error = capture(fn)
+        if captured is None:
+            fields[f"{name}_graph_ms"] = None
+            fields[f"{name}_graph_error"] = error
+        else:
+            graphs[name] = captured.graph
+    if graphs:
+        replays = {name: graph.replay for name, graph in graphs.items()}
+        fields.update((f"{name}_graph_ms", ms) for name, ms in medians(replays, reps).items())
+    del graphs, replays  # their private memory pools go back before the next case
+    torch.cuda.empty_cache()
+    return fields
+
+
 def _set_cuda_sync_mode(mode: object) -> None:
     torch.cuda.set_sync_debug_mode(mode)
 

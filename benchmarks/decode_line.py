@@ -36,7 +36,7 @@ import torch
 from _common import RESULTS_DIR, format_table, interleaved_medians, write_result
 from _hf_blocks import FAMILIES, build_block, case_inputs, experts_call, experts_weight_bytes, tutel_backend_name
 from _limits import LimitProbes, synchronized
-from cuda_timing import interleaved_event_medians, try_capture
+from cuda_timing import graph_replay_fields
 
 DEFAULT_TOKENS = "1,2,4,8,12,16,24,32"
 COLUMNS = ["family", "dtype", "T", "k", "E", "rows_per_expert", "decode_taken", "limit_ms", "decode_ms", "grouped_ms",
@@ -127,22 +127,9 @@ def measure_case(block, ours: str, tokens: int, reps: int, smoke: bool) -> Dict[
 
 
 def graph_fields(calls: Dict[str, Callable[[], object]], reps: int, limit_ms: float) -> Dict[str, object]:
-    """<name>_graph_ms of both candidates replayed from their own CUDA graphs (None and
-    <name>_graph_error where a capture failed), their ratio and decode's against the limit."""
-    fields: Dict[str, object] = {}
-    graphs = {}
-    for name, fn in calls.items():
-        captured, error = try_capture(fn)
-        fields[f"{name}_graph_ms"] = None
-        if captured is None:
-            fields[f"{name}_graph_error"] = error
-        else:
-            graphs[name] = captured.graph
-    if graphs:
-        medians = interleaved_event_medians({name: graph.replay for name, graph in graphs.items()}, reps)
-        fields.update((f"{name}_graph_ms", ms) for name, ms in medians.items())
-    del graphs
-    torch.cuda.empty_cache()
+    """cuda_timing.graph_replay_fields of both candidates (None and <name>_graph_error where a
+    capture failed), their ratio and decode's against the limit."""
+    fields = graph_replay_fields(calls, reps)
     decode_ms, grouped_ms = fields["decode_graph_ms"], fields["grouped_graph_ms"]
     fields["grouped_graph/decode_graph"] = grouped_ms / decode_ms if decode_ms and grouped_ms else None
     fields["decode_graph/limit"] = decode_ms / limit_ms if decode_ms else None

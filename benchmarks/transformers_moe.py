@@ -55,7 +55,8 @@ from _common import format_table, interleaved_medians, load_average, parse_args,
 from _hf_blocks import (FAMILIES, FULL_SIZES, build_block, case_inputs, experts_call, experts_flops_per_choice,
                         experts_weight_bytes, moe_layer_like, tutel_backend_name)
 from _limits import LimitProbes, cache_reset, measure_limits, synchronized
-from cuda_timing import first_line, interleaved_event_medians, kernels_per_call, outputs_match, sync_free, try_capture
+from cuda_timing import (first_line, graph_replay_fields, interleaved_event_medians, kernels_per_call, outputs_match,
+                         sync_free, try_capture)
 
 TRANSFORMERS_BACKENDS = ("eager", "grouped_mm", "batched_mm")
 FORWARD_TOKENS = (1, 16, 128, 2048, 8192)
@@ -222,23 +223,10 @@ def graph_ratios(fields: Dict[str, object], backends: Sequence[str], limit_ms: f
 
 def graph_fields(calls: Dict[str, Callable[[], object]], backends: Sequence[str], reps: int,
                  limit_ms: float) -> Dict[str, object]:
-    """<name>_graph_ms of every candidate: each captured into its own CUDA graph (cuda_timing.try_capture),
-    the replays of those that captured timed in `reps` interleaved rounds (CUDA events), then the
-    graphs freed; a candidate that did not capture gets None and <name>_graph_error.  Plus graph_ratios."""
-    fields: Dict[str, object] = {}
-    graphs, replays = {}, {}
-    for name, fn in calls.items():
-        captured, error = try_capture(fn)
-        if captured is None:
-            fields[f"{name}_graph_ms"] = None
-            fields[f"{name}_graph_error"] = error
-        else:
-            graphs[name] = captured.graph
-    if graphs:
-        replays = {name: graph.replay for name, graph in graphs.items()}
-        fields.update((f"{name}_graph_ms", ms) for name, ms in interleaved_event_medians(replays, reps).items())
-    del graphs, replays  # their private memory pools go back before the next case
-    torch.cuda.empty_cache()
+    """cuda_timing.graph_replay_fields of every candidate (each captured into its own CUDA graph, the
+    replays timed in `reps` interleaved rounds; None and <name>_graph_error where a capture failed),
+    plus graph_ratios."""
+    fields = graph_replay_fields(calls, reps, capture=try_capture, medians=interleaved_event_medians)
     fields.update(graph_ratios(fields, backends, limit_ms))
     return fields
 
