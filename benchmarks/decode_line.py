@@ -33,6 +33,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+import tutel.ops.decode_experts as decode_module
+
 from _common import RESULTS_DIR, format_table, interleaved_medians, write_result
 from _hf_blocks import FAMILIES, build_block, case_inputs, experts_call, experts_weight_bytes, tutel_backend_name
 from _limits import LimitProbes, synchronized
@@ -47,7 +49,6 @@ COLUMNS = ["family", "dtype", "T", "k", "E", "rows_per_expert", "decode_taken", 
 @contextlib.contextmanager
 def decode_line_at(tokens: int) -> Iterator[None]:
     """tutel's decode line (tutel.ops.decode_experts.DECODE_MAX_TOKENS) moved to `tokens` inside."""
-    import tutel.ops.decode_experts as decode_module
     saved = decode_module.DECODE_MAX_TOKENS
     decode_module.DECODE_MAX_TOKENS = tokens
     try:
@@ -67,8 +68,7 @@ def with_line(fn: Callable[[], object], tokens: int) -> Callable[[], object]:
 def decode_taken(tokens: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the 'decode' candidate of a case runs the decode kernel (False on a CPU, where both
     candidates run the same operator)."""
-    from tutel.ops.decode_experts import decode_experts_supported
-    return decode_experts_supported(tokens, k, dtype, device)
+    return decode_module.decode_experts_supported(tokens, k, dtype, device)
 
 
 def decode_lines(rows: List[Dict[str, object]], decode_key: str, grouped_key: str) -> Dict[str, object]:
@@ -99,7 +99,6 @@ def _outputs(block, ours: str, x, indices, weights, line: int) -> torch.Tensor:
 
 def measure_case(block, ours: str, tokens: int, reps: int, smoke: bool) -> Dict[str, object]:
     """One case's row: eager and graph-replay times of both candidates, the limit, the ratios."""
-    import tutel.ops.decode_experts as decode_module
     experts = block.experts
     device, dtype = experts.down_proj.device, experts.down_proj.dtype
     x, indices, weights, _ = case_inputs(block, tokens, train=False)
@@ -177,7 +176,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     summary = line_summary(rows)
-    import tutel.ops.decode_experts as decode_module
     payload = dict(rows=rows, columns=COLUMNS, lines=summary, decode_max_tokens=decode_module.DECODE_MAX_TOKENS,
                    device=str(device), seconds=time.time() - started, reps=reps,
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,

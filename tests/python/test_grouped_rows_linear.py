@@ -79,13 +79,13 @@ def test_product_and_gradients_match_the_float64_loop(implementation, device, dt
     gen = torch.Generator().manual_seed(case[0] * 31 + case[1])
     rows64, weight64, bias64, ends = _operands(case, dtype, transposed, gen)
     rows, weight, bias = (t.to(dtype) for t in (rows64, weight64, bias64))
-    rows = torch.empty(rows.shape[0], rows.shape[1] + 2, dtype=dtype)[:, :rows.shape[1]].copy_(rows)  # strided again
     offsets = torch.tensor(ends, dtype=torch.int32)
     rtol, atol = TOLERANCE[dtype]
     # The reference takes the values the operator is given (rounded to the dtype), in float64.
     leaves = [t.detach().double().clone().requires_grad_() for t in (rows, weight, bias)]
     want = reference(*leaves[:2], ends, transposed, leaves[2])
     on = torch.device(device)
+    # row-strided again, on the device
     d_rows = torch.empty(rows.shape[0], rows.shape[1] + 2, dtype=dtype, device=on)[:, :rows.shape[1]].copy_(rows)
     d_weight, d_bias, d_offsets = weight.to(on), bias.to(on), offsets.to(on)
     for with_bias in (True, False):
