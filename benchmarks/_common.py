@@ -244,6 +244,12 @@ def format_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def present_columns(rows: List[Dict[str, object]], columns: Sequence[str]) -> List[str]:
+    """`columns` without those that no row has (fields a run did not record)."""
+    present = {key for row in rows for key in row}
+    return [column for column in columns if column in present]
+
+
 def measure_rows(configs: Sequence[tuple], time_row: Callable[..., Dict[str, object]], columns: Sequence[str],
                  glibc_row: Optional[Callable[..., Dict[str, object]]] = None,
                  script: Optional[str] = None) -> List[Dict[str, object]]:

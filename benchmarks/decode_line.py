@@ -35,7 +35,7 @@ import torch
 
 import tutel.ops.decode_experts as decode_module
 
-from _common import RESULTS_DIR, format_table, interleaved_medians, write_result
+from _common import RESULTS_DIR, format_table, interleaved_medians, present_columns, write_result
 from _hf_blocks import FAMILIES, build_block, case_inputs, experts_call, experts_weight_bytes, tutel_backend_name
 from _limits import LimitProbes, synchronized
 from cuda_timing import graph_replay_fields
@@ -171,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                                 full_size=not args.smoke)
             for tokens in (int(t) for t in args.tokens.split(",")):
                 rows.append(measure_case(block, ours, tokens, reps, args.smoke))
-                print(format_table(rows[-1:], [c for c in COLUMNS if c in rows[-1]]), file=sys.stderr, flush=True)
+                print(format_table(rows[-1:], present_columns(rows[-1:], COLUMNS)), file=sys.stderr, flush=True)
             del block
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                    command="python benchmarks/decode_line.py " + " ".join(sys.argv[1:] if argv is None else argv))
     path = write_result(args.out, f"decode_line_{device.type}", payload, args.smoke)
-    print(format_table(rows, [c for c in COLUMNS if any(c in row for row in rows)]))
+    print(format_table(rows, present_columns(rows, COLUMNS)))
     print()
     print(format_table(summary, list(summary[0]) if summary else []))
     print(f"wrote {os.path.relpath(path)}")

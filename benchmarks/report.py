@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from _common import RESULTS_DIR, ROOT, format_table
+from _common import RESULTS_DIR, ROOT, format_table, present_columns
 
 DOC = os.path.join(ROOT, "docs", "performance.md")
 IMAGES = os.path.join(ROOT, "docs", "images")
@@ -709,9 +709,7 @@ def cuda_graph_table(moe: dict) -> Optional[str]:
     wanted = moe.get("cuda_columns")
     if not wanted:
         return None
-    present = {key for row in moe["rows"] for key in row}
-    columns = [c for c in wanted if c in present]
-    text = format_table(moe["rows"], columns)
+    text = format_table(moe["rows"], present_columns(moe["rows"], wanted))
     failures = cuda_failures(moe["rows"])
     if failures:
         text += ("\n\nFailed captures, synchronisations and kernel counts (first line of the error):\n\n"
@@ -723,7 +721,6 @@ def decode_line_section(line: dict) -> str:
     """benchmarks/decode_line.py's run: the decode kernel against the grouped path per case, and the
     line each family's times put between them."""
     rows = line["rows"]
-    columns = [c for c in line["columns"] if any(c in row for row in rows)]
     return ("### The decode kernel against the grouped path (where the decode line belongs)\n\n"
             f"`{line.get('command', 'python benchmarks/decode_line.py')}` on {line.get('device_name')} "
             f"(torch {line['machine']['torch']}; finished {line['finished']}), the decode line at "
@@ -731,7 +728,7 @@ def decode_line_section(line: dict) -> str:
             "is; *grouped*: the same calls with the line at 0 tokens.  Eager times end every call with a "
             "synchronisation; *_graph_ms* are replays of a captured CUDA graph.  *limit_ms*: the chosen "
             "experts' weights read once at the bandwidth measured in the run.\n\n"
-            + format_table(rows, columns)
+            + format_table(rows, present_columns(rows, line["columns"]))
             + "\n\nThe largest T up to which decode is nowhere slower than grouped, and the rows per expert "
               "(T k / E) there:\n\n"
             + format_table(line["lines"], list(line["lines"][0]) if line["lines"] else []))
