@@ -135,7 +135,8 @@ setup(
     license="MIT",
     python_requires=">=3.8",
     packages=find_packages(include=["tutel", "tutel.*"]),
-    package_data={"tutel.examples": ["data/*.txt"]},  # the text tutel.examples.transformers_moe trains on
+    # The text tutel.examples.transformers_moe trains on; the decode kernel's measured lines.
+    package_data={"tutel.examples": ["data/*.txt"], "tutel.ops": ["decode_lines.json"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithKernels.with_options(use_ninja=True)},
     install_requires=["torch>=2.1"],

@@ -723,15 +723,19 @@ def decode_line_section(line: dict) -> str:
     rows = line["rows"]
     return ("### The decode kernel against the grouped path (where the decode line belongs)\n\n"
             f"`{line.get('command', 'python benchmarks/decode_line.py')}` on {line.get('device_name')} "
-            f"(torch {line['machine']['torch']}; finished {line['finished']}), the decode line at "
-            f"{line['decode_max_tokens']} tokens during the run.  *decode*: tutel's experts with the line as it "
-            "is; *grouped*: the same calls with the line at 0 tokens.  Eager times end every call with a "
+            f"(torch {line['machine']['torch']}; finished {line['finished']}), the kernel's limit at "
+            f"{line['decode_max_tokens']} tokens during the run.  *decode*: tutel's experts with the decode kernel "
+            "wherever its limits allow (no measured line in effect); *grouped*: the same calls with the kernel's "
+            "limit at 0 tokens.  Eager times end every call with a "
             "synchronisation; *_graph_ms* are replays of a captured CUDA graph.  *limit_ms*: the chosen "
             "experts' weights read once at the bandwidth measured in the run.\n\n"
             + format_table(rows, present_columns(rows, line["columns"]))
             + "\n\nThe largest T up to which decode is nowhere slower than grouped, and the rows per expert "
               "(T k / E) there:\n\n"
-            + format_table(line["lines"], list(line["lines"][0]) if line["lines"] else []))
+            + format_table(line["lines"], list(line["lines"][0]) if line["lines"] else [])
+            + "\n\n`python benchmarks/decode_line.py --apply <this run's file>` sets the line tutel chooses by "
+              "from them (tutel/ops/decode_lines.json; a family's line is the smaller of its two, the dtype's "
+              "the least over the families where the grouped path won).")
 
 
 def gpu_section(results: Dict[str, dict]) -> str:

@@ -20,6 +20,9 @@
 # build back into its steps.
 # Without the build step the steps use the extension already built in place, which must hold the CUDA
 # operators.
+# The decode_line step measures where the decode kernel should hand over to the grouped path; on any
+# machine, `python benchmarks/decode_line.py --apply DIR/decode_line_cuda.json` then sets that line
+# in tutel/ops/decode_lines.json, which tutel chooses by.
 #
 # Environment: PYTHON (default python3), TUTEL_KEEP_CXX=1 (build with $CXX, not /usr/bin/g++),
 # TUTEL_GPU_TEST_SECONDS (default 200), TUTEL_GPU_BENCH_SECONDS (default 300: besides the synchronised

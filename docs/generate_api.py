@@ -35,6 +35,9 @@ SECTIONS = [
      ["cached_buffer_stats", "release_cached_buffers", "set_cached_buffer_limit"]),
     ("tutel.ops.decode_experts — routed gated experts at decoding sizes", "tutel.ops.decode_experts",
      ["decode_experts", "decode_experts_supported"]),
+    ("tutel.ops.decode_lines — where the decode kernel hands over to the grouped path", "tutel.ops.decode_lines",
+     ["DecodeLine", "read_lines", "write_lines", "merge_lines", "lines_in_effect", "device_capability", "line_for",
+      "within_line"]),
 ]
 
 

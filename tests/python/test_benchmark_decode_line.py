@@ -52,6 +52,63 @@ def test_the_summary_reads_a_line_per_family_and_dtype_for_eager_and_graph_times
     assert (summary["a"]["eager_line_T"], summary["a"]["graph_line_T"]) == (1, 8)
     assert (summary["b"]["eager_line_T"], summary["b"]["graph_line_T"]) == (0, 1)
     assert summary["a"]["graph_line_rows_per_expert"] == 2.0
+    assert summary["a"]["measured_T"] == 8 and summary["b"]["measured_T"] == 1
+
+
+def _summary(family, dtype, eager, graph, measured_T=32):
+    """A line_summary row: (T, rows per expert) of the eager and graph lines."""
+    return dict(family=family, dtype=dtype, k=2, E=8, measured_T=measured_T, eager_line_T=eager[0],
+                eager_line_rows_per_expert=eager[1], graph_line_T=graph[0], graph_line_rows_per_expert=graph[1])
+
+
+def _payload(lines, **changes):
+    payload = dict(lines=lines, capability="9.0", device_name="NVIDIA H200", smoke=False,
+                   finished="2026-11-28 12:00:00", command="python benchmarks/decode_line.py")
+    payload.update(changes)
+    return payload
+
+
+def test_a_dtypes_line_is_the_least_over_the_families_where_grouped_won():
+    module = load_benchmark()
+    lines = module.measured_lines(_payload([
+        _summary("a", "bfloat16", (16, 4.0), (12, 3.0)),   # the smaller of its eager and graph lines
+        _summary("b", "bfloat16", (8, 2.0), (24, 6.0)),
+        _summary("c", "bfloat16", (32, 8.0), (32, 8.0)),   # nowhere slower up to the largest T: no bound
+        _summary("a", "float16", (32, 1.0), (32, 1.0)),
+        _summary("b", "float16", (4, 0.25), (4, 0.25), measured_T=4),  # won at its every T too
+        _summary("a", "float32", (0, 0.0), (2, 0.5)),      # grouped won at once
+    ]), "decode_line_cuda.json")
+    assert [(line.dtype, line.max_rows_per_expert) for line in lines] == [
+        ("bfloat16", 2.0), ("float16", None), ("float32", 0.0)]
+    assert all(line.capability == "9.0" and line.device_name == "NVIDIA H200" for line in lines)
+    assert lines[0].source == "decode_line_cuda.json, finished 2026-11-28 12:00:00: python benchmarks/decode_line.py"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(smoke=True), "not --smoke"),
+    (dict(capability=None), "CUDA device"),
+    (dict(lines=[_summary("a", "bfloat16", (4, 1.0), (None, None))]), r"a \(bfloat16\) has no line"),
+])
+def test_a_run_that_cannot_set_a_line_is_refused(changes, message):
+    payload = _payload(**{"lines": [_summary("a", "bfloat16", (4, 1.0), (4, 1.0))], **changes})
+    with pytest.raises(ValueError, match=message):
+        load_benchmark().measured_lines(payload, "decode_line_cuda.json")
+
+
+def test_apply_sets_the_runs_lines_in_the_lines_file(tmp_path):
+    from tutel.ops.decode_lines import DecodeLine, read_lines, write_lines
+    module = load_benchmark()
+    lines_path, results_path = str(tmp_path / "lines.json"), tmp_path / "decode_line_cuda.json"
+    kept = DecodeLine("8.0", "bfloat16", 1.5, "NVIDIA A100", "benchmarks/results/an earlier run")
+    write_lines([kept, kept._replace(capability="9.0", max_rows_per_expert=9.0)], lines_path)
+    results_path.write_text(json.dumps(_payload([_summary("a", "bfloat16", (8, 2.0), (8, 2.0)),
+                                                 _summary("a", "float16", (32, 8.0), (32, 8.0))])))
+    returned = module.main(["--apply", str(results_path), "--lines", lines_path])
+    table = read_lines(lines_path)
+    assert {key: line.max_rows_per_expert for key, line in table.items()} == {
+        ("8.0", "bfloat16"): 1.5, ("9.0", "bfloat16"): 2.0, ("9.0", "float16"): None}
+    assert table[("8.0", "bfloat16")] == kept and table[("9.0", "bfloat16")].device_name == "NVIDIA H200"
+    assert [line["dtype"] for line in returned["applied"]] == ["bfloat16", "float16"]
 
 
 def _routed_call(tokens):
@@ -86,6 +143,24 @@ def test_the_grouped_candidate_runs_the_grouped_path_and_the_line_comes_back():
     assert DECODE not in moved.operators and "tutel.group_by_expert.default" in moved.operators
 
 
+def test_the_decode_candidate_runs_the_kernel_past_a_measured_line(monkeypatch):
+    """A run measures both sides of the line in effect: its decode candidate takes the kernel where
+    a shipped line would send the call to the grouped path."""
+    import tutel.ops.decode_experts as decode_module
+    import tutel.ops.decode_lines as decode_lines
+    module = load_benchmark()
+    monkeypatch.setattr(decode_lines, "device_capability", lambda device: "9.0")
+    line = decode_lines.DecodeLine("9.0", "bfloat16", 1.0, "a GPU", "a run")  # 16 tokens x 2 / 8 experts: 4 rows
+    with fake_cuda(), decode_lines.lines_in_effect([line]):
+        call = _routed_call(16)
+        with OperatorCount() as as_shipped:
+            call()
+        with OperatorCount() as decode:
+            module.with_line(call, decode_module.DECODE_MAX_TOKENS)()
+        taken = module.decode_taken(16, 2, 8, torch.bfloat16, torch.device("cuda"), decode_module.DECODE_MAX_TOKENS)
+    assert DECODE not in as_shipped.operators and decode.operators == [DECODE] and taken
+
+
 def test_smoke_run_writes_every_case(tmp_path):
     threads = torch.get_num_threads()
     try:
@@ -108,7 +183,7 @@ def test_smoke_run_writes_every_case(tmp_path):
     report = importlib.import_module("report")
     text = report.gpu_section({"decode_line_cuda": dict(written, device_name="a GPU")})
     section = text[text.index("### The decode kernel against the grouped path"):]
-    assert "on a GPU (torch" in section and f"line at {written['decode_max_tokens']} tokens" in section
+    assert "on a GPU (torch" in section and f"limit at {written['decode_max_tokens']} tokens" in section
     tables = [line for line in section.splitlines() if line.startswith("| family |")]
     assert len(tables) == 2 and " grouped/decode |" in tables[0] and " eager_line_T |" in tables[1]
     assert sum(line.startswith("| gpt_oss |") for line in section.splitlines()) == 3  # 2 cases and its line

@@ -270,6 +270,41 @@ def test_routed_experts_at_decoding_sizes_take_the_decode_kernels(family, tokens
         assert "tutel.decode_experts.default" not in count.operators and count.kernels > 2
 
 
+@pytest.fixture
+def measured_line(monkeypatch):
+    """A measured decode line of 1 row per expert for bfloat16 on a capability-9.0 GPU, which every
+    fake CUDA device reports here."""
+    import tutel.ops.decode_lines as decode_lines
+    monkeypatch.setattr(decode_lines, "device_capability", lambda device: "9.0")
+    line = decode_lines.DecodeLine("9.0", "bfloat16", 1.0, "a GPU", "a run")
+    with decode_lines.lines_in_effect([line]):
+        yield
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_routed_experts_hand_over_to_the_grouped_path_at_the_measured_line(measured_line, family):
+    """Past T k / E = 1 row per expert the grouped path runs, within it the decode kernel."""
+    last = family.experts // family.k  # the largest T with T k <= E
+    for tokens in (1, last, last + 1):
+        with fake_cuda():
+            _, call = _call(family, tokens, grad=False)
+            with OperatorCount() as count:
+                call()
+        within = tokens * family.k <= family.experts and tokens <= 32 and tokens * family.k <= 256
+        assert (count.operators == ["tutel.decode_experts.default"]) == within, (tokens, count.operators)
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES[:3], ids=lambda f: f.name)
+def test_moe_layer_hands_over_to_the_grouped_path_at_the_measured_line(measured_line, family):
+    """The layer's chooser applies the line with its global expert count."""
+    last = min(family.experts // family.k, 32)
+    with fake_cuda() as mode, torch.no_grad():
+        layer = _layer(family, 0.0, mode).eval()
+        paths = [layer.choose_path(torch.randn(t, family.model_dim, device="cuda", dtype=torch.bfloat16)).path
+                 for t in (last, last + 1)]
+    assert paths == [Path.STATIC_DECODE, Path.STATIC_GROUPED]
+
+
 def test_the_padded_path_reads_the_largest_load_back():
     """What the static grouped path avoids: Tutel's padded dropless path sizes its [E, C, M] buffer
     from the largest load, a host read, which the fake CUDA mode refuses (as graph capture would)."""

@@ -249,7 +249,8 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
         "traced": is_compiling(),
         "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
-        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device),
+        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device,
+                                                  experts=down_weight.shape[0]),
     }
 
 

@@ -62,7 +62,8 @@ def layer_facts(layer, x: torch.Tensor, call: CallSettings, reserve_dims: int) -
         "experts_in_pieces": bool(getattr(experts, "offers_grouped_products", False)),
         "experts_grouped": callable(getattr(experts, "forward_grouped", None)),
         "rows_fit_one_call": fits_one_call(x.shape[0] * call.top_k),
-        "decode_kernel": decode_experts_supported(x.shape[0], call.top_k, x.dtype, x.device),
+        "decode_kernel": decode_experts_supported(x.shape[0], call.top_k, x.dtype, x.device,
+                                                  experts=layer.num_global_experts),
     }
 
 

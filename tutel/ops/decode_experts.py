@@ -28,13 +28,14 @@ import torch
 from .._extension import load_extension
 from .backend import fake_mode_active, requested_backend
 from .checks import FLOATING_DTYPES, require_dim, require_floating, require_tensor, same_device
+from .decode_lines import within_line
 from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
 
 # The sizes the CUDA kernel is made (and tested) for: up to 32 tokens and 256 choices (32 tokens
 # of k = 8).  Every block scans the choices before its own to find its expert's, so the kernel's
-# bookkeeping grows with the square of the choices, and past a few rows per expert its products
-# on CUDA cores lose to a grouped product.  Not a measured line: no GPU timing backs it yet
-# (benchmarks/decode_line.py measures both paths on either side of it).
+# bookkeeping grows with the square of the choices.  Within them, where the kernel hands over to
+# the grouped path is a measured line per GPU and dtype (tutel.ops.decode_lines): past a few rows
+# per expert its products on CUDA cores lose to a grouped product's tensor cores.
 DECODE_MAX_TOKENS = 32
 DECODE_MAX_CHOICES = 256
 # Expert id dtypes the kernel reads as they are (another dtype would need a conversion launch).
@@ -42,16 +43,19 @@ EXPERT_ID_DTYPES = (torch.int32, torch.int64)
 
 
 def decode_experts_supported(tokens: int, k: int, dtype: torch.dtype,
-                             device: Union[str, torch.device] = "cuda") -> bool:
+                             device: Union[str, torch.device] = "cuda", experts: Optional[int] = None) -> bool:
     """Whether ``decode_experts``' CUDA kernel applies to a call of `tokens` tokens with `k`
-    choices each and data of `dtype` on `device`, so that a caller can choose it over the
-    grouped path (``tutel.experts.routed.routed_experts``).
+    choices each over `experts` experts and data of `dtype` on `device`, so that a caller can
+    choose it over the grouped path (``tutel.experts.routed.routed_experts``).
 
     True when all of these hold:
 
     * `device` is a CUDA device (on CPU the operator is the grouped path itself: no gain);
     * `dtype` is float32, float64, bfloat16 or float16;
-    * 0 <= tokens <= DECODE_MAX_TOKENS (32) and tokens * k <= DECODE_MAX_CHOICES (256);
+    * 0 <= tokens <= DECODE_MAX_TOKENS (32) and tokens * k <= DECODE_MAX_CHOICES (256), the sizes
+      the kernel is made for;
+    * tokens * k / experts is within the line measured for this GPU (its compute capability) and
+      `dtype`, where one was (``tutel.ops.decode_lines``; not applied when `experts` is None);
     * tutel was built with CUDA (or a FakeTensorMode is active, where fake CUDA tensors take the
       path of a CUDA build) and ``TUTEL_CUDA_BACKEND`` is not ``composite``.
 
@@ -68,7 +72,9 @@ def decode_experts_supported(tokens: int, k: int, dtype: torch.dtype,
         return False
     if requested_backend() == "composite":  # the user asked for no tutel kernels on CUDA
         return False
-    return fake_mode_active() or bool(load_extension().with_cuda)
+    if not (fake_mode_active() or load_extension().with_cuda):
+        return False
+    return within_line(tokens, k, experts, dtype, device)
 
 
 def _check_routing(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor], where: str) -> None:
