@@ -15,7 +15,11 @@
 
 #include "cuda/expert_launch_plan.h"
 #include "harness.h"
-#include "../../../kernels/decode_experts.cu"
+// The kernel file under test: a mutant build (mutants.cmake) names a copy with one bug in it.
+#ifndef TUTEL_KERNEL_SOURCE
+#define TUTEL_KERNEL_SOURCE "../../../kernels/decode_experts.cu"
+#endif
+#include TUTEL_KERNEL_SOURCE
 #include "exact_sums.h"
 
 namespace {

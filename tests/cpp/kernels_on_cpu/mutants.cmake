@@ -1,0 +1,51 @@
+# Mutants: copies of a kernel file with one deliberate bug each, built into the kernel's own
+# kernels-on-cpu test in place of the real file.  The ctest `mutant.<kernel>.<name>` passes only
+# when that test reports a failure, so a test that stops catching the bug fails the suite.  A
+# mutant whose text is no longer in the kernel fails the configure step: update it with the kernel.
+#
+# tutel_kernel_mutant(KERNEL NAME VARIANT FIND REPLACE): kernels/KERNEL.cu with the one occurrence
+# of FIND replaced by REPLACE, tested in its variant VARIANT (a -D define of its `// variants:`).
+
+function(tutel_kernel_mutant kernel name variant find replace)
+  set(original ${CMAKE_CURRENT_SOURCE_DIR}/kernels/${kernel}.cu)
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${original})
+  file(READ ${original} source)
+  string(FIND "${source}" "${find}" first)
+  string(FIND "${source}" "${find}" last REVERSE)
+  if(first EQUAL -1 OR NOT first EQUAL last)
+    message(FATAL_ERROR "mutant ${kernel}.${name}: its text must occur exactly once in kernels/${kernel}.cu "
+                        "(tests/cpp/kernels_on_cpu/mutants.cmake):\n${find}")
+  endif()
+  string(LENGTH "${find}" find_length)
+  string(SUBSTRING "${source}" 0 ${first} before)
+  math(EXPR after_start "${first} + ${find_length}")
+  string(SUBSTRING "${source}" ${after_start} -1 after)
+  set(mutated ${CMAKE_CURRENT_BINARY_DIR}/mutants/${name}/${kernel}.cu)
+  file(WRITE ${mutated} "${before}${replace}${after}")
+
+  set(target kernel_mutant_${kernel}_${name})
+  add_executable(${target} ${TUTEL_EMULATION_DIR}/${kernel}_cu_test.cpp)
+  # The copy includes its neighbours in kernels/ by quoted names.
+  target_include_directories(${target} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/kernels)
+  target_compile_definitions(${target} PRIVATE TUTEL_HOST_EMULATION ${variant} TUTEL_KERNEL_SOURCE="${mutated}")
+  target_compile_options(${target} PRIVATE -Wno-unknown-pragmas -Wno-maybe-uninitialized)
+  target_link_libraries(${target} PRIVATE tutel_kernels_on_cpu)
+  add_test(NAME mutant.${kernel}.${name} COMMAND ${target} --gtest_brief=1)
+  # Caught: GoogleTest reports a failed case (a crash or a clean pass is not a catch).
+  set_tests_properties(mutant.${kernel}.${name} PROPERTIES PASS_REGULAR_EXPRESSION "\\[  FAILED  \\]"
+                       LABELS kernels-on-cpu-mutants TIMEOUT 300)
+endfunction()
+
+# decode_experts.cu (issue: decode at the memory-bandwidth limit): an off-by-one in the down
+# projection's loop along a matrix row (the row's last vector or element left out), a missing
+# barrier (the transposed gate/up kernel's warps' partial sums read before all are written), and
+# the routing weight left out of a token's sum.
+tutel_kernel_mutant(decode_experts down_row_loop_ends_early TUTEL_DTYPE_FLOAT32
+  "if (v >= vectors) break;\n            const H hv = h_row[v];"
+  "if (v + 1 >= vectors) break;\n            const H hv = h_row[v];")
+tutel_kernel_mutant(decode_experts gate_up_partials_without_barrier TUTEL_DTYPE_FLOAT32
+  "    __syncthreads();\n    if ((int)threadIdx.x < TUTEL_DECODE_COLUMNS * count) {\n      const int m = threadIdx.x / TUTEL_DECODE_COLUMNS, c = threadIdx.x % TUTEL_DECODE_COLUMNS;\n      const i64 i = first_unit + c;"
+  "    if ((int)threadIdx.x < TUTEL_DECODE_COLUMNS * count) {\n      const int m = threadIdx.x / TUTEL_DECODE_COLUMNS, c = threadIdx.x % TUTEL_DECODE_COLUMNS;\n      const i64 i = first_unit + c;")
+tutel_kernel_mutant(decode_experts combine_without_routing_weight TUTEL_DTYPE_BFLOAT16
+  "const acc_t w = routing_weight(r, t, j);"
+  "const acc_t w = acc_t(1);")
