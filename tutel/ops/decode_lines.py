@@ -15,7 +15,6 @@ line take the kernel's own limits alone (``tutel.ops.decode_experts.DECODE_MAX_T
 ``DECODE_MAX_CHOICES``).
 """
 import contextlib
-import functools
 import json
 import math
 import os
@@ -96,12 +95,19 @@ def merge_lines(table: LineTable, lines: Iterable[DecodeLine]) -> LineTable:
     return merged
 
 
-@functools.lru_cache(maxsize=None)
-def _shipped_lines() -> LineTable:
-    return read_lines()
-
-
+# Plain module caches rather than functools.lru_cache: calls traced by torch.compile read them too.
+_shipped: Optional[LineTable] = None  # the shipped file's lines, read at first use
 _lines_override: Optional[LineTable] = None  # set by lines_in_effect
+_capabilities: Dict[int, str] = {}  # by CUDA device index
+
+
+def _lines_now() -> LineTable:
+    global _shipped
+    if _lines_override is not None:
+        return _lines_override
+    if _shipped is None:
+        _shipped = read_lines()
+    return _shipped
 
 
 @contextlib.contextmanager
@@ -117,24 +123,21 @@ def lines_in_effect(lines: Iterable[DecodeLine]) -> Iterator[None]:
         _lines_override = saved
 
 
-@functools.lru_cache(maxsize=None)
-def _capability_of_index(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"{major}.{minor}"
-
-
 def device_capability(device: Union[str, torch.device]) -> Optional[str]:
     """The compute capability ("major.minor") of CUDA `device`, or None where this process has no
     CUDA device (fake CUDA tensors traced on a CPU-only build)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return _capability_of_index(torch.cuda.current_device() if device.index is None else device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _capabilities:
+        _capabilities[index] = "{}.{}".format(*torch.cuda.get_device_capability(index))
+    return _capabilities[index]
 
 
 def line_for(device: Union[str, torch.device], dtype: torch.dtype) -> Optional[DecodeLine]:
     """The measured line in effect for `dtype` on `device`, or None where none was measured."""
-    table = _shipped_lines() if _lines_override is None else _lines_override
+    table = _lines_now()
     capability = device_capability(device) if table else None  # no device query when there is no line
     if capability is None:
         return None
@@ -151,4 +154,3 @@ def within_line(tokens: int, k: int, experts: Optional[int], dtype: torch.dtype,
         return True
     # T k / E <= rows, compared without dividing (E may be 0 in an empty layer).
     return tokens * k <= line.max_rows_per_expert * experts + 1e-9
-
