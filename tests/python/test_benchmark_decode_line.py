@@ -129,7 +129,7 @@ def _routed_call(tokens):
 def test_the_grouped_candidate_runs_the_grouped_path_and_the_line_comes_back():
     from tutel.ops.decode_lines import lines_in_effect
     module = load_benchmark()
-    with fake_cuda(), lines_in_effect([]):  # the kernel's limits, whatever line a GPU running this has
+    with fake_cuda(), lines_in_effect([]):  # the kernel's limits, whatever line is shipped
         call = _routed_call(16)
         with OperatorCount() as as_is:
             call()

@@ -85,15 +85,23 @@ def test_a_second_line_for_one_device_and_dtype_is_refused(tmp_path):
         read_lines(str(path))
 
 
-def test_no_capability_without_a_cuda_device():
+def test_the_capability_is_the_one_the_cuda_path_takes():
+    """Not CUDA: none.  Fake CUDA tensors on a PyTorch without CUDA stand for the device the
+    backend says they do (tutel.ops.backend.FAKE_CUDA_CAPABILITY, a Hopper GPU); outside a fake
+    mode there is none to ask."""
     assert decode_lines.device_capability("cpu") is None
     if not torch.cuda.is_available():
-        assert decode_lines.device_capability("cuda") is None  # fake CUDA tensors: no line applies
+        assert decode_lines.device_capability("cuda") is None
+        with fake_cuda():
+            assert decode_lines.device_capability("cuda") == "9.0"
+            with lines_in_effect([_line(0.0)]):  # so a trace here takes that device's line
+                assert not decode_experts_supported(1, 8, torch.bfloat16, "cuda", experts=128)
 
 
 @pytest.fixture
 def on_capability_9_0(monkeypatch):
-    """Every CUDA device reports compute capability 9.0 (the fake CUDA devices of a CPU build have none)."""
+    """Every CUDA device reports compute capability 9.0, a real GPU running the tests included (the
+    fake CUDA devices of a CPU build stand for 9.0 already)."""
     monkeypatch.setattr(decode_lines, "device_capability",
                         lambda device: "9.0" if torch.device(device).type == "cuda" else None)
 
@@ -127,7 +135,7 @@ def test_a_line_applies_to_its_own_device_and_dtype_only(on_capability_9_0):
 
 
 def test_without_a_capability_the_kernels_limits_alone_apply(monkeypatch):
-    monkeypatch.setattr(decode_lines, "device_capability", lambda device: None)  # as fake CUDA devices have none
+    monkeypatch.setattr(decode_lines, "device_capability", lambda device: None)  # a device with no capability known
     with fake_cuda(), lines_in_effect([_line(0.0)]):
         assert decode_experts_supported(DECODE_MAX_TOKENS, 8, torch.bfloat16, "cuda", experts=128)
 

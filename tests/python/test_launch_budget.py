@@ -237,8 +237,9 @@ def test_moe_layer_in_float32_trains_without_a_host_sync(family, capacity_factor
 
 @pytest.fixture
 def kernel_limits_only():
-    """No measured decode line in effect, whatever the GPU running the tests has shipped for it
-    (tutel.ops.decode_lines): the decode kernel takes every call within its own limits."""
+    """No measured decode line in effect, whatever line tutel ships for the device a fake CUDA
+    tensor stands for (tutel.ops.decode_lines): the decode kernel takes every call within its own
+    limits."""
     from tutel.ops.decode_lines import lines_in_effect
     with lines_in_effect([]):
         yield
@@ -282,7 +283,7 @@ def test_routed_experts_at_decoding_sizes_take_the_decode_kernels(kernel_limits_
 @pytest.fixture
 def measured_line(monkeypatch):
     """A measured decode line of 1 row per expert for bfloat16 on a capability-9.0 GPU, which every
-    fake CUDA device reports here."""
+    CUDA device reports here (a real GPU running the tests included)."""
     import tutel.ops.decode_lines as decode_lines
     monkeypatch.setattr(decode_lines, "device_capability", lambda device: "9.0")
     line = decode_lines.DecodeLine("9.0", "bfloat16", 1.0, "a GPU", "a run")

@@ -22,6 +22,8 @@ from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from .backend import cuda_capability, fake_mode_active
+
 LINES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_lines.json")
 # What the file says of itself (kept when --apply rewrites it).
 ABOUT = ("Measured lines between tutel's decode_experts CUDA kernel and the grouped path (tutel/ops/decode_lines.py); "
@@ -91,8 +93,12 @@ def write_lines(lines: Iterable[DecodeLine], path: Optional[str] = None) -> None
 def merge_lines(table: LineTable, lines: Iterable[DecodeLine]) -> LineTable:
     """`table` with `lines` added, each replacing the line of its capability and dtype."""
     merged = dict(table)
-    merged.update({(line.capability, line.dtype): line for line in lines})
+    merged.update(_by_device_and_dtype(lines))
     return merged
+
+
+def _by_device_and_dtype(lines: Iterable[DecodeLine]) -> LineTable:
+    return {(line.capability, line.dtype): line for line in lines}
 
 
 # Plain module caches rather than functools.lru_cache: calls traced by torch.compile read them too.
@@ -116,7 +122,7 @@ def lines_in_effect(lines: Iterable[DecodeLine]) -> Iterator[None]:
     kernel past a measured line with no lines at all; tests set their own)."""
     global _lines_override
     saved = _lines_override
-    _lines_override = {(line.capability, line.dtype): line for line in lines}
+    _lines_override = _by_device_and_dtype(lines)
     try:
         yield
     finally:
@@ -124,14 +130,18 @@ def lines_in_effect(lines: Iterable[DecodeLine]) -> Iterator[None]:
 
 
 def device_capability(device: Union[str, torch.device]) -> Optional[str]:
-    """The compute capability ("major.minor") of CUDA `device`, or None where this process has no
-    CUDA device (fake CUDA tensors traced on a CPU-only build)."""
+    """The compute capability ("major.minor") of CUDA `device` as ``tutel.ops.backend.
+    cuda_capability`` gives it: the GPU's own, or inside a FakeTensorMode on a PyTorch without CUDA
+    the device fake CUDA tensors stand for (FAKE_CUDA_CAPABILITY), so that a trace on the CPU takes
+    the line that device takes.  None for another device type, or without CUDA outside a fake mode."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return None
+    if not torch.cuda.is_available():
+        return "{}.{}".format(*cuda_capability(device)) if fake_mode_active() else None
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _capabilities:
-        _capabilities[index] = "{}.{}".format(*torch.cuda.get_device_capability(index))
+        _capabilities[index] = "{}.{}".format(*cuda_capability(torch.device("cuda", index)))
     return _capabilities[index]
 
 
