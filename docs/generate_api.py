@@ -31,6 +31,8 @@ SECTIONS = [
     ("tutel.checkpoint — checkpoints across world sizes", "tutel.checkpoint",
      ["load_resharded", "gather_state_dicts", "scatter_state_dict", "reshard_state_dicts", "Placement",
       "ExpertCoverageError", "ShapeError"]),
+    ("tutel.torch_versions — the PyTorch releases supported", "tutel.torch_versions",
+     ["check_supported", "is_supported", "release", "UnsupportedTorchVersion"]),
     ("tutel.ops.host_buffers — the CPU operators' buffer cache", "tutel.ops.host_buffers",
      ["cached_buffer_stats", "release_cached_buffers", "set_cached_buffer_limit"]),
     ("tutel.ops.decode_experts — routed gated experts at decoding sizes", "tutel.ops.decode_experts",

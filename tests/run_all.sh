@@ -2,8 +2,8 @@
 # Sets up this machine (tests/setup_env.sh: what the build and the demo need, then
 # the test tools; README.md lists them), builds the project and runs every test:
 # the C++ core suite (ctest, also under ASan/UBSan), the DeepSpeed integration, the
-# transformers integration on its oldest supported release and the Python suite
-# (pytest).  Safe to run repeatedly; installs only what is missing.
+# transformers integration on its oldest supported release, the oldest supported PyTorch, and
+# the Python suite (pytest) on the newest.  Safe to run repeatedly; installs only what is missing.
 #
 #   bash tests/run_all.sh              # everything
 #   bash tests/run_all.sh -k routing   # extra arguments go to pytest
@@ -33,7 +33,13 @@ echo "== transformers integration, oldest release (tests/integration/transformer
 transformers_status=0
 timeout "${TUTEL_TRANSFORMERS_STEP_TIMEOUT:-600}" bash tests/integration/transformers/run.sh || transformers_status=$?
 
-echo "== Python: pytest (at ${SECONDS} s) =="
+# The oldest supported PyTorch, built and tested in an environment of its own (the main pytest run
+# tests the newest, which tests/setup_env.sh installs); verdict after pytest as well.
+echo "== PyTorch, oldest release (tests/integration/torch_oldest/run.sh) (at ${SECONDS} s) =="
+torch_oldest_status=0
+timeout "${TUTEL_TORCH_OLDEST_STEP_TIMEOUT:-1200}" bash tests/integration/torch_oldest/run.sh || torch_oldest_status=$?
+
+echo "== Python: pytest on torch $(python3 -c 'import torch; print(torch.__version__)') (at ${SECONDS} s) =="
 # A hung test fails after TUTEL_TEST_TIMEOUT seconds (pytest-timeout) instead of eating the CI budget;
 # the slowest single tests (pip installs that build the extension) take a few minutes.  The 30
 # slowest are listed at the end, where the CI budget goes.  The tests run in TUTEL_TEST_WORKERS
@@ -45,3 +51,4 @@ python3 -m pytest -q -p no:cacheprovider --timeout="${TUTEL_TEST_TIMEOUT:-900}" 
         -n "${TUTEL_TEST_WORKERS:-2}" --dist worksteal tests/python "$@"
 [ "$deepspeed_status" -eq 0 ] || { echo "the DeepSpeed integration step failed (exit ${deepspeed_status})" >&2; exit 1; }
 [ "$transformers_status" -eq 0 ] || { echo "the transformers integration step failed (exit ${transformers_status})" >&2; exit 1; }
+[ "$torch_oldest_status" -eq 0 ] || { echo "the oldest-PyTorch step failed (exit ${torch_oldest_status})" >&2; exit 1; }

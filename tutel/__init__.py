@@ -6,8 +6,12 @@ backed by the compiled operators registered under ``torch.ops.tutel``.
 """
 import torch  # noqa: F401  (loads libc10 / libtorch, which tutel._C links against without an rpath)
 
-from ._version import __version__
-from ._extension import load_extension as _load_extension
+from .torch_versions import check_supported as _check_supported_torch
+
+_check_supported_torch()  # before the extension: an older PyTorch gets the range, not a loader error
+
+from ._version import __version__  # noqa: E402
+from ._extension import load_extension as _load_extension  # noqa: E402
 
 _C = _load_extension()
 

@@ -120,7 +120,7 @@ def save(tensor: torch.Tensor, path: str) -> None:
     numpy.save(path, value.numpy())
 
 
-def load(path: str, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
+def load(path: str, device: Union[str, torch.device, None] = None) -> torch.Tensor:
     """Loads a ``.npy`` file written by ``save`` as a tensor on ``device`` (default CPU)."""
     import numpy
 

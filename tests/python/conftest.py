@@ -1,4 +1,6 @@
-"""Shared fixtures: seeded randomness, per-dtype tolerances and hypothesis's profiles."""
+"""Shared fixtures: seeded randomness, per-dtype tolerances and hypothesis's profiles, and the checks
+that skip a test on a PyTorch without the feature it tests."""
+import functools
 import os
 import sys
 
@@ -36,6 +38,39 @@ def tolerance(dtype):
     return TOLERANCES[dtype]
 
 
+@functools.lru_cache(maxsize=None)
+def _why_fullgraph_cannot_set_tensor_attributes():
+    """None where torch.compile(fullgraph=True) traces setting an attribute on a tensor made in the
+    graph (moe_layer's `y.l_aux = ...`, Tutel's API), else the compiler's first line of why not."""
+    def attribute_on_a_new_tensor(x):
+        y = x * 2
+        y.l_aux = x.sum()
+        return y
+    try:
+        torch.compile(attribute_on_a_new_tensor, fullgraph=True, backend="eager")(torch.ones(2))
+    except Exception as error:  # torch._dynamo.exc.Unsupported and what older releases raise instead
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    return None
+
+
+def require_fullgraph_tensor_attributes():
+    """Skips the running test (a moe_layer compiled with fullgraph=True) on a PyTorch whose
+    torch.compile cannot set an attribute on a tensor inside one graph (the oldest supported
+    releases: there the layer compiles with a graph break at `y.l_aux`)."""
+    reason = _why_fullgraph_cannot_set_tensor_attributes()
+    if reason is not None:
+        pytest.skip(f"needs torch.compile(fullgraph=True) to set an attribute on a tensor (moe_layer's y.l_aux), "
+                    f"which torch {torch.__version__} cannot: {reason}")
+
+
+def require_grouped_mm():
+    """Skips the running test on a PyTorch without torch.nn.functional.grouped_mm (the oldest
+    supported releases): what it tests is the path that takes grouped_mm."""
+    import torch.nn.functional as F
+    if not hasattr(F, "grouped_mm"):
+        pytest.skip(f"needs torch.nn.functional.grouped_mm, which torch {torch.__version__} lacks")
+
+
 @pytest.fixture
 def device_grouped_mm_path(monkeypatch):
     """Takes the path devices take in tutel.ops.grouped_mm (torch.nn.functional.grouped_mm, the bias
@@ -44,6 +79,7 @@ def device_grouped_mm_path(monkeypatch):
     unwritten: they come back as NaN, so a result that depends on them shows it."""
     import torch.nn.functional as F
     import tutel.ops.grouped_mm as grouped_mm_module
+    require_grouped_mm()
     monkeypatch.setattr(grouped_mm_module, "_use_grouped_mm",
                         lambda a, b: a.shape[0] > 0 and grouped_mm_module.grouped_mm_supports(a, b))
     real = F.grouped_mm

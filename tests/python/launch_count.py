@@ -8,6 +8,7 @@ that launch nothing: views, metadata queries and uninitialised allocations.
 """
 import contextlib
 import hashlib
+import inspect
 import os
 import subprocess
 import sysconfig
@@ -110,21 +111,23 @@ _guard_loaded = False
 
 
 def _load_fake_cuda_guard() -> None:
-    """On a PyTorch built without CUDA, compiles (once per PyTorch version, cached under build/)
-    and loads fake_cuda_guard.cpp, so autograd can record graphs of fake CUDA tensors."""
+    """On a PyTorch without a usable CUDA device (a CPU build, or a CUDA build on a machine without
+    a GPU), compiles (once per PyTorch version, cached under build/) and loads fake_cuda_guard.cpp,
+    so autograd can record graphs of fake CUDA tensors."""
     global _guard_loaded
-    if _guard_loaded or torch.backends.cuda.is_built():
+    if _guard_loaded or torch.cuda.is_available():
         return
     torch_dir = os.path.dirname(torch.__file__)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"  # as the wheel was built (older: 0)
     with open(_GUARD_SOURCE, "rb") as source:
-        key = hashlib.sha256(source.read() + torch.__version__.encode()).hexdigest()[:16]
+        key = hashlib.sha256(source.read() + torch.__version__.encode() + abi.encode()).hexdigest()[:16]
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_GUARD_SOURCE))), "build", "test_support")
     library = os.path.join(root, f"fake_cuda_guard_{key}.so")
     if not os.path.exists(library):
         os.makedirs(root, exist_ok=True)
         compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX").split()[0] or "c++"
         partial = f"{library}.{os.getpid()}.tmp"
-        subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{torch_dir}/include", _GUARD_SOURCE,
+        subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", abi, f"-I{torch_dir}/include", _GUARD_SOURCE,
                         f"-L{torch_dir}/lib", "-lc10", "-o", partial], check=True)
         os.replace(partial, library)  # atomic: concurrent test processes never load half a file
     torch.ops.load_library(library)
@@ -150,10 +153,14 @@ _TENSOR_ARGUMENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def recording_function_arguments() -> Iterator[None]:
     """Within the block, every autograd Function call records which of its arguments were tensors,
     so backward_by_hand can match the gradients its backward returns with the graph's edges."""
-    original = torch.autograd.Function.apply.__func__
+    # The attribute as stored, not as looked up: a Python classmethod on older releases, a method
+    # implemented in C (inherited from the C base class) on newer ones.  Binding it to `cls` by hand
+    # calls either; putting the stored object back (or removing ours, when it was inherited) restores it.
+    stored = torch.autograd.Function.__dict__.get("apply")
+    original = inspect.getattr_static(torch.autograd.Function, "apply")
 
     def apply(cls, *args, **kwargs):
-        outputs = original(cls, *args, **kwargs)
+        outputs = original.__get__(None, cls)(*args, **kwargs)
         for output in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
             node = getattr(output, "grad_fn", None)
             if isinstance(node, torch.autograd.function.BackwardCFunction):
@@ -165,7 +172,10 @@ def recording_function_arguments() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.autograd.Function.apply = classmethod(original)
+        if stored is None:
+            del torch.autograd.Function.apply
+        else:
+            torch.autograd.Function.apply = stored
 
 
 def fake_parameters(module: torch.nn.Module, mode: FakeTensorMode, device: str = "cuda",

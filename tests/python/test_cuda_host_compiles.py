@@ -22,15 +22,17 @@ import embed_kernels  # noqa: E402
 COMPILER = shutil.which(os.environ.get("CXX", "g++"))
 
 
-def header_dir(name):
-    """The first CUDA include directory that has `name`."""
+def header_dir(name, *beside):
+    """The first CUDA include directory that has `name` and the headers `beside` it."""
     for directory in cuda_include_dirs():
-        if os.path.isfile(os.path.join(directory, name)):
+        if all(os.path.isfile(os.path.join(directory, header)) for header in (name,) + beside):
             return directory
     return None
 
 
-CUDA_INCLUDE = header_dir("cuda.h")
+# The runtime's headers include crt/host_defines.h, which CUDA 12's runtime wheel lacks (it came with
+# nvcc there): such a directory, first where a PyTorch with CUDA 12 wheels is installed, is skipped.
+CUDA_INCLUDE = header_dir("cuda.h", "crt/host_defines.h")
 NVRTC_INCLUDE = header_dir("nvrtc.h")
 _needs_compiler = module_requires(COMPILER is not None, "a C++ compiler (g++)", "apt-get install g++")
 

@@ -12,6 +12,7 @@ below runs them too.
 import pytest
 import torch
 
+from conftest import require_grouped_mm
 from launch_count import OperatorCount, backward_by_hand, fake_cuda
 from tutel.ops import composite
 from tutel.ops.grouped_mm import grouped_rows_mm
@@ -208,6 +209,7 @@ def test_cuda_path_without_grouped_mm_reads_no_end_back(dtype, columns, transpos
 
 def test_cuda_bfloat16_keeps_grouped_mm():
     """Aligned bfloat16 operands keep PyTorch's grouped_mm (tensor cores) on an sm90 device."""
+    require_grouped_mm()
     with fake_cuda():
         rows = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(5, 24, 64, device="cuda", dtype=torch.bfloat16)

@@ -4,6 +4,7 @@ torch.compile, and the errors for contradictory options."""
 import pytest
 import torch
 
+from conftest import require_fullgraph_tensor_attributes
 import reference_scored as ref
 from scored_harness import HIDDEN, MODEL_DIM, clamped_reference, compare, make, randomize_bias
 from tutel import checkpoint, moe
@@ -143,6 +144,7 @@ def test_autocast_matches_float32_within_bfloat16_tolerance():
 
 @pytest.mark.parametrize("balance_loss", ["sequence", "global_batch"])
 def test_torch_compile_fullgraph_matches_eager(balance_loss):
+    require_fullgraph_tensor_attributes()
     torch.manual_seed(3)
     gate = dict(DEEPSEEK, k=3, capacity_factor=1.25, z_loss_weight=0.01, balance_loss=balance_loss)
     experts = {"type": "clamped_swiglu", "num_experts_per_device": 8, "hidden_size_per_expert": 6,

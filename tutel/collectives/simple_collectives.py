@@ -85,6 +85,13 @@ def skip_all_to_all() -> bool:
         raise ValueError(f"{SKIP_A2A_ENV}={raw!r} is not valid; allowed: an integer (> 0 skips all-to-all)") from None
 
 
+def _reduced_by_gloo(tensor: torch.Tensor, group: Optional[Any]) -> bool:
+    """Whether ``group`` reduces ``tensor`` through gloo (a gloo group, or a CPU tensor of a group
+    whose backend is given per device, "cpu:gloo,cuda:nccl")."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or (tensor.device.type == "cpu" and "cpu:gloo" in backend)
+
+
 def simple_all_reduce(input: torch.Tensor, group: Optional[Any] = None, op: Any = None,
                       inplace: bool = False) -> torch.Tensor:
     """All-reduce with ``op`` (default SUM) over ``group``; returns a new tensor unless ``inplace``."""
@@ -95,9 +102,16 @@ def simple_all_reduce(input: torch.Tensor, group: Optional[Any] = None, op: Any 
         output = input
     else:
         output = torch.clone(input, memory_format=torch.contiguous_format)
-    if get_world_size(group) > 1:
+    world_size = get_world_size(group)
+    # gloo refuses AVG before PyTorch 2.8: there it is the sum, divided here, on every release alike
+    average_by_hand = world_size > 1 and op == dist.ReduceOp.AVG and _reduced_by_gloo(output, group)
+    if average_by_hand and not output.is_floating_point():
+        raise ValueError(f"{where}: op=AVG needs a floating-point tensor, got {output.dtype}")
+    if world_size > 1:
         with collective_errors(where, group):
-            dist.all_reduce(output, op=op, group=group)
+            dist.all_reduce(output, op=dist.ReduceOp.SUM if average_by_hand else op, group=group)
+        if average_by_hand:
+            output.div_(world_size)
     if inplace and output is not input:
         input.copy_(output)
         return input

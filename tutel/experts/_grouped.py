@@ -31,7 +31,7 @@ def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tenso
     dropped as well.
 
     Returns (indices [k, T] of zeros, locations [k, T], N)."""
-    num_experts, indices_s, locations_s, _, capacity = crit[:5]
+    num_experts, indices_s, locations_s, _, capacity, *_ = crit  # not crit[:5]: PyTorch 2.6's torch.compile fails on it
     indices, locations = choice_table(indices_s), choice_table(locations_s)
     total = sum(rows)
     starts = torch.tensor([0] + rows[:-1], dtype=torch.int64, device=indices.device).cumsum(0)

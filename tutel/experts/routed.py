@@ -82,17 +82,18 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     return RoutingPlan(None, locations, slot_choices, sorted_ids, counts, ends)
 
 
-class _ExpertsCall(NamedTuple):
-    """The experts of one routed_experts call, applied to grouped rows."""
-    up_weight: torch.Tensor
-    down_weight: torch.Tensor
-    up_bias: Optional[torch.Tensor]
-    down_bias: Optional[torch.Tensor]
-    transposed: bool
-    gate: Optional[GatedUnit]
-    gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
+class _ExpertsCall:
+    """The experts of one routed_experts call, applied to grouped rows.  (A plain class, not a
+    NamedTuple: PyTorch 2.6's torch.compile cannot call a method of a tuple that holds tensors.)"""
+
+    def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                 down_bias: Optional[torch.Tensor], transposed: bool, gate: Optional[GatedUnit],
+                 gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                 activation: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                 post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]):
+        self.up_weight, self.down_weight, self.up_bias, self.down_bias = up_weight, down_weight, up_bias, down_bias
+        self.transposed, self.gate, self.gate_fn, self.activation, self.post_fn = \
+            transposed, gate, gate_fn, activation, post_fn
 
     def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);

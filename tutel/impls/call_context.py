@@ -14,11 +14,15 @@ class CallContext:
     whatever the call does (and safe to call from two threads)."""
 
     def __init__(self, layer: torch.nn.Module, **call_values: Any):
-        self.__dict__.update(call_values)
-        self.__dict__["layer"] = layer
+        # attribute by attribute, not through __dict__: PyTorch 2.6's torch.compile cannot trace that
+        self.layer = layer
+        for name, value in call_values.items():
+            setattr(self, name, value)
 
     def __getattr__(self, name: str) -> Any:  # only for names this call does not set
-        return getattr(self.__dict__["layer"], name)
+        if name == "layer":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.layer, name)
 
 
 class LayerResult(NamedTuple):

@@ -155,7 +155,8 @@ def fast_encode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
 
     With ``is_postscore=False`` the gates are applied here; otherwise at decode.
     """
-    num_experts, indices_s, locations_s, gates_s, capacity = critical_data[:5]
+    # unpacked, not sliced (critical_data[:5]): PyTorch 2.6's torch.compile fails on a named tuple's slice
+    num_experts, indices_s, locations_s, gates_s, capacity, *_ = critical_data
     indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_encode")
     data = data.reshape(-1, data.shape[-1]) if data.dim() > 2 else data
     return ops.encode(data, indices, locations, num_experts, capacity,
@@ -167,7 +168,7 @@ def fast_decode(data: torch.Tensor, critical_data, is_postscore: bool = True) ->
 
     With ``is_postscore=True`` (default) the gates weight the expert outputs here.
     """
-    num_experts, indices_s, locations_s, gates_s, capacity = critical_data[:5]
+    num_experts, indices_s, locations_s, gates_s, capacity, *_ = critical_data
     indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_decode")
     capacity = require_int(capacity, "capacity", "tutel.moe.fast_decode")
     return ops.decode(_as_expert_buffer(data, num_experts, capacity, "tutel.moe.fast_decode"), indices, locations,

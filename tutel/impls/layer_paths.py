@@ -100,7 +100,7 @@ def _result(y: torch.Tensor, features, routing: Routing, crit=None) -> LayerResu
 def _kept_expert_ids(crit, dropless: bool) -> torch.Tensor:
     """[k, T] expert ids of crit with the dropped choices (past the capacity, or Tutel's negative
     "not dispatched" index) given the id E, which the grouped operators skip."""
-    num_experts, indices_s, locations_s, _, capacity = crit[:5]
+    num_experts, indices_s, locations_s, _, capacity, *_ = crit  # not crit[:5]: PyTorch 2.6's torch.compile fails on it
     indices = choice_table(indices_s)
     # Nothing is dropped when the call is dropless (the capacity is the largest load) or the
     # capacity reaches T (an expert receives at most T choices).

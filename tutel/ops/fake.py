@@ -1,7 +1,7 @@
 """Shape-only implementations of torch.ops.tutel.*, used by torch.compile and FakeTensor tracing."""
 import torch
 
-from ._library import register_fake
+from torch.library import register_fake
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -16,6 +16,18 @@ def _logits(model, ids):
     return model(input_ids=ids, use_cache=False).logits
 
 
+def _skip_unless_transformers_compiles(compiled, reference, ids):
+    """Skips the running test where transformers' own model (its eager experts) does not compile with
+    fullgraph=True either: a PyTorch whose compiler cannot trace transformers' code tests nothing of
+    tutel's.  Returns where it compiles, so the failure with tutel's experts stands."""
+    import transformers
+    try:
+        compiled(reference, ids)
+    except torch._dynamo.exc.Unsupported as error:
+        pytest.skip(f"transformers {transformers.__version__}'s own model does not compile with fullgraph=True "
+                    f"on torch {torch.__version__}: {str(error).strip().splitlines()[0]}")
+
+
 @pytest.mark.slow
 def test_fullgraph_compile_of_a_gpt_oss_model_equals_eager_mode():
     # gpt-oss: transposed weights, biases, interleaved halves and a custom clamped gate.  Sizes
@@ -28,7 +40,12 @@ def test_fullgraph_compile_of_a_gpt_oss_model_equals_eager_mode():
     # aot_eager: dynamo's capture (fullgraph) and AOT autograd's tracing, without inductor's
     # code generation, which would only add minutes here.
     compiled = torch.compile(_logits, fullgraph=True, backend="aot_eager")
-    got, want = compiled(model, ids), _logits(reference, ids)
+    try:
+        got = compiled(model, ids)
+    except torch._dynamo.exc.Unsupported:
+        _skip_unless_transformers_compiles(compiled, reference, ids)
+        raise
+    want = _logits(reference, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     (got * probe).sum().backward()
