@@ -118,16 +118,18 @@ def _load_fake_cuda_guard() -> None:
     if _guard_loaded or torch.cuda.is_available():
         return
     torch_dir = os.path.dirname(torch.__file__)
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"  # as the wheel was built (older: 0)
+    # C++20, which newer releases' headers need (their cpp_extension passes it too) and older ones
+    # compile under; the C++ ABI the wheel was built with (the oldest supported releases' is the old one).
+    flags = ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     with open(_GUARD_SOURCE, "rb") as source:
-        key = hashlib.sha256(source.read() + torch.__version__.encode() + abi.encode()).hexdigest()[:16]
+        key = hashlib.sha256(source.read() + " ".join([torch.__version__] + flags).encode()).hexdigest()[:16]
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_GUARD_SOURCE))), "build", "test_support")
     library = os.path.join(root, f"fake_cuda_guard_{key}.so")
     if not os.path.exists(library):
         os.makedirs(root, exist_ok=True)
         compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX").split()[0] or "c++"
         partial = f"{library}.{os.getpid()}.tmp"
-        subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", abi, f"-I{torch_dir}/include", _GUARD_SOURCE,
+        subprocess.run([compiler, *flags, "-O1", "-shared", "-fPIC", f"-I{torch_dir}/include", _GUARD_SOURCE,
                         f"-L{torch_dir}/lib", "-lc10", "-o", partial], check=True)
         os.replace(partial, library)  # atomic: concurrent test processes never load half a file
     torch.ops.load_library(library)

@@ -25,6 +25,9 @@ def simple_all_reduce_every_op():
     assert net.simple_all_reduce(y, inplace=True) is y
     close(y, ref.reduce(inputs, "SUM").t(), "simple_all_reduce inplace")
     expect_error(TypeError, ["op", "ReduceOp"], net.simple_all_reduce, x, op="sum")
+    # gloo averages by a sum divided here (it refuses AVG before PyTorch 2.8): integers have no average
+    expect_error(ValueError, ["op=AVG", "floating-point", "torch.int32"], net.simple_all_reduce,
+                 torch.ones(3, dtype=torch.int32), op=ReduceOp.AVG)
 
 
 @checks.add
