@@ -241,18 +241,27 @@ def test_checkpoint_page_runs_as_written(tmp_path, monkeypatch):
 
 
 def test_pip_install_builds_an_importable_package(tmp_path):
+    """`pip install --no-build-isolation .` with CUDA_HOME at a toolkit that has an nvcc and no
+    headers (what a bare nvcc on PATH makes PyTorch guess): the install succeeds and its extension
+    is CPU-only, with a CUDA build of PyTorch as with a CPU one, instead of failing in the compiler."""
     pytest.importorskip("pip")
-    target = tmp_path / "site"
+    target, cuda_home = tmp_path / "site", tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    (cuda_home / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (cuda_home / "bin" / "nvcc").chmod(0o755)
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                              "--target", str(target), "."], capture_output=True, text=True, cwd=REPO, timeout=600)
+                              "--target", str(target), "."], capture_output=True, text=True, cwd=REPO, timeout=600,
+                             env=dict(os.environ, CUDA_HOME=str(cuda_home), TUTEL_WITH_CUDA=""))
     assert install.returncode == 0, install.stderr
     # The decode kernel's measured lines are package data: read from the installed tree.
-    check = subprocess.run([sys.executable, "-c", "import tutel, tutel.moe, tutel.checkpoint; print(tutel.__file__); "
+    check = subprocess.run([sys.executable, "-c", "import tutel, tutel.moe, tutel.checkpoint, tutel.cuda; "
+                            "print(tutel.__file__); print(tutel.cuda.is_built()); "
                             "from tutel.ops import decode_lines; decode_lines.read_lines()"],
                            capture_output=True, text=True, cwd=tmp_path, timeout=120,
                            env=dict(os.environ, PYTHONPATH=str(target)))
     assert check.returncode == 0, check.stderr
-    assert check.stdout.strip().startswith(str(target))
+    location, cuda_built = check.stdout.split("\n")[:2]
+    assert location.startswith(str(target)) and cuda_built == "False"
 
 
 def test_editable_install_imports_from_the_source_tree(tmp_path):
