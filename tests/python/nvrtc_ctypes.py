@@ -34,6 +34,10 @@ def kernel_files() -> Tuple[Dict[str, str], Dict[str, str]]:
     return programs, headers
 
 
+_uselocale = ctypes.CDLL(None).uselocale  # the C library's: the calling thread's locale (None: just ask)
+_uselocale.restype, _uselocale.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+
 class Nvrtc:
     """The few NVRTC calls the tests need."""
 
@@ -65,9 +69,14 @@ class Nvrtc:
         header_names = (ctypes.c_char_p * len(headers))(*[key.encode() for key in headers])
         self._check(self.lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(),
                                                 len(headers), header_texts, header_names))
+        # NVRTC 12 (PyTorch 2.6's wheel) switches the calling thread to the "C" locale (uselocale) when
+        # it reports an error, which turns Python's default text encoding to ASCII for the rest of the
+        # thread: the thread's locale is put back.
+        saved_locale = _uselocale(None)
         try:
             encoded = (ctypes.c_char_p * len(options))(*[option.encode() for option in options])
             result = self.lib.nvrtcCompileProgram(program, len(options), encoded)
+            _uselocale(saved_locale)
             size = ctypes.c_size_t()
             self._check(self.lib.nvrtcGetProgramLogSize(program, ctypes.byref(size)))
             log = ctypes.create_string_buffer(size.value)
