@@ -11,10 +11,7 @@ from .torch_versions import check_supported as _check_supported_torch
 _check_supported_torch()  # before the extension: an older PyTorch gets the range, not a loader error
 
 from ._version import __version__  # noqa: E402
-from ._extension import load_extension as _load_extension  # noqa: E402
-
-_C = _load_extension()
-
+from . import ops as _ops  # noqa: E402,F401  (loads the compiled extension first: tutel.ops reaches it)
 from . import cuda as _cuda  # noqa: E402,F401  (tells the CUDA backend where NVRTC lives)
 
 __all__ = ["__version__"]

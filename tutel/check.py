@@ -29,7 +29,7 @@ from tutel import cuda as tutel_cuda
 from tutel._version import __version__
 from tutel.cuda_libraries import nvrtc_search_dirs
 from tutel.ops import composite
-from tutel.ops.backend import BACKEND_VARIABLE, CUDA_BACKENDS, SELF_CHECK_VARIABLE
+from tutel.ops.backend import BACKEND_VARIABLE, CUDA_BACKENDS, SELF_CHECK_VARIABLE, compiled_operators
 from tutel.ops.self_check import FULL_SIZES, OPERATORS, QUICK_SIZES, compare_operators, count_cases
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # the installed tutel package
@@ -123,21 +123,22 @@ def check_cpu(report: Report, sizes: Sequence) -> None:
     """The composite operators against the compiled CPU operators, on the CPU."""
     cases = sum(count_cases(sizes).values())
     report.section(f"composite operators against the CPU operators (cpu, {cases} calls)")
-    report.comparison("cpu composite", compare_operators(composite, torch.ops.tutel, torch.device("cpu"), sizes))
+    report.comparison("cpu composite", compare_operators(composite, compiled_operators(), torch.device("cpu"),
+                                                         sizes))
 
 
 def check_gpu(report: Report, device: torch.device, sizes: Sequence) -> None:
     """Self-check, kernels and composite operators against the CPU operators, and the backend chosen."""
-    cpu = torch.device("cpu")
+    cpu, compiled = torch.device("cpu"), compiled_operators()
     report.section(f"self-check on {device}: CUDA kernels against the composite operators")
-    report.comparison(f"{device} self-check", compare_operators(torch.ops.tutel, composite, device))
+    report.comparison(f"{device} self-check", compare_operators(compiled, composite, device))
 
     cases = sum(count_cases(sizes).values())
     report.section(f"CUDA kernels against the CPU operators ({device}, {cases} calls)")
-    report.comparison(f"{device} kernels", compare_operators(torch.ops.tutel, torch.ops.tutel, device, sizes,
+    report.comparison(f"{device} kernels", compare_operators(compiled, compiled, device, sizes,
                                                             reference_device=cpu))
     report.section(f"composite operators against the CPU operators ({device}, {cases} calls)")
-    report.comparison(f"{device} composite", compare_operators(composite, torch.ops.tutel, device, sizes,
+    report.comparison(f"{device} composite", compare_operators(composite, compiled, device, sizes,
                                                               reference_device=cpu))
 
     report.section(f"backend in use on {device}")
@@ -184,7 +185,7 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     experts, k = 16, 2
     generator = torch.Generator().manual_seed(0)
     scores = torch.rand(tokens, experts, generator=generator).softmax(1).to(dtype).to(device)
-    indices, _, locations, _ = torch.ops.tutel.route_topk(scores.cpu(), k, False)
+    indices, _, locations, _ = compiled_operators().route_topk(scores.cpu(), k, False)
     capacity = (tokens * k + experts - 1) // experts
     x = torch.randn(tokens, model_dim, generator=generator).to(dtype).to(device)
     rows = torch.randn(experts, capacity, model_dim, generator=generator).to(dtype).to(device)
@@ -200,7 +201,7 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     grouped = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
     ends = (torch.arange(1, experts + 1) * (tokens * k // experts)).to(torch.int32).to(device)
     bias = torch.randn(experts, model_dim, generator=generator).to(dtype).to(device)
-    slot_choices = torch.ops.tutel.group_by_expert(expert_ids.cpu(), experts)[1].to(device)
+    slot_choices = compiled_operators().group_by_expert(expert_ids.cpu(), experts)[1].to(device)
     # each expert's [model_dim, model_dim] matrix over the grouped rows
     weight = torch.randn(experts, model_dim, model_dim, generator=generator).to(dtype).to(device)
     grouped_grad = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
@@ -247,6 +248,7 @@ def time_operators(report: Report, device: torch.device, reps: int) -> None:
     tokens, model_dim = (16384, 2048) if on_gpu else (2048, 256)
     dtypes = (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,)
     compiled_name = "CUDA kernels" if on_gpu else "CPU operators"
+    compiled = compiled_operators()
     report.section(f"timing on {device}: {compiled_name} against the composite operators "
                    f"({tokens} tokens, 16 experts, top-2, model_dim {model_dim}; median ms of {reps})")
     for dtype in dtypes:
@@ -256,10 +258,10 @@ def time_operators(report: Report, device: torch.device, reps: int) -> None:
                 continue  # its input is int32 whatever the data dtype
             run = problem[name]
             samples: Dict[str, List[float]] = {"compiled": [], "composite": []}
-            for implementation in (torch.ops.tutel, composite):  # warm-up (compiles the kernels)
+            for implementation in (compiled, composite):  # warm-up (compiles the kernels)
                 run(implementation)
             for _ in range(reps):
-                samples["compiled"].append(_elapsed_ms(lambda: run(torch.ops.tutel), device))
+                samples["compiled"].append(_elapsed_ms(lambda: run(compiled), device))
                 samples["composite"].append(_elapsed_ms(lambda: run(composite), device))
             fast, slow = statistics.median(samples["compiled"]), statistics.median(samples["composite"])
             ratio = slow / fast if fast > 0 else float("inf")

@@ -9,8 +9,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import _C
 from .cuda_libraries import nvrtc_search_dirs
+from .ops import backend as _backend, cuda_runtime
 
 _NOT_BUILT = (
     "tutel was built without CUDA support (the installed PyTorch was a CPU build, or "
@@ -21,7 +21,7 @@ _NOT_BUILT = (
 
 def is_built() -> bool:
     """True if the extension contains the CUDA operators."""
-    return bool(_C.with_cuda)
+    return cuda_runtime.with_cuda()
 
 
 def is_available() -> bool:
@@ -48,20 +48,20 @@ def check_errors(device: Optional[Union[int, str, torch.device]] = None) -> None
     """Waits for the device and raises the first bad expert index (IndexError) or
     negative location (ValueError) that tutel's kernels met since the last report."""
     require_built("tutel.cuda.check_errors")
-    _C._cuda_check_errors(_device_index(device))
+    cuda_runtime.check_errors(_device_index(device))
 
 
 def kernel_cache_dir() -> str:
     """The on-disk cache of compiled kernels ('' when disabled with TUTEL_KERNEL_CACHE=off)."""
     require_built("tutel.cuda.kernel_cache_dir")
-    return _C._cuda_kernel_cache_dir()
+    return cuda_runtime.kernel_cache_dir()
 
 
 def nvrtc_info() -> Tuple[str, int, int]:
     """(library path, major, minor) of the NVRTC that compiles the kernels; raises
     RuntimeError explaining how to install NVRTC when it cannot be found."""
     require_built("tutel.cuda.nvrtc_info")
-    return tuple(_C._cuda_nvrtc_info())
+    return cuda_runtime.nvrtc_info()
 
 
 def _torch_cuda_major() -> Optional[int]:
@@ -70,14 +70,12 @@ def _torch_cuda_major() -> Optional[int]:
 
 
 if is_built():
-    _C._cuda_set_nvrtc_search_dirs(nvrtc_search_dirs(_torch_cuda_major()))
+    cuda_runtime.set_nvrtc_search_dirs(nvrtc_search_dirs(_torch_cuda_major()))
 
 
 def operator_backends() -> Dict[str, Dict[str, Tuple[str, str]]]:
     """For each CUDA device tutel's operators have run on: {device: {operator:
     (implementation, reason)}}, the implementation being "nvrtc" (the compiled
     kernels) or "composite" (plain PyTorch operations); see docs/cuda-backend.md."""
-    from .ops.backend import CUDA_BACKENDS  # tutel.ops imports this module's siblings
-
     return {device: {name: tuple(choice) for name, choice in choices.items()}
-            for device, choices in CUDA_BACKENDS.choices().items()}
+            for device, choices in _backend.CUDA_BACKENDS.choices().items()}

@@ -19,9 +19,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C
 from . import cuda as _cuda
 from .cuda_libraries import cuda_include_dirs
+from .ops import cuda_runtime
 
 _KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\(\s*(\d+)[^)]*\)\s+)?void\s+'
@@ -74,7 +74,8 @@ class CudaKernel:
     def _function(self, device: int) -> int:
         if device not in self._functions:
             options = ["--std=c++17"] + [f"-I{path}" for path in cuda_include_dirs()]
-            self._functions[device] = _C._cuda_user_kernel_function(self.source, self.config.name, options, device)
+            self._functions[device] = cuda_runtime.user_kernel_function(self.source, self.config.name, options,
+                                                                        device)
         return self._functions[device]
 
     def __call__(self, *inputs: torch.Tensor, extra: Sequence[int] = (), blocks: Sequence[int] = ()) -> None:
@@ -96,8 +97,8 @@ class CudaKernel:
             if any(value < 1 for value in grid):
                 raise ValueError(f"{where}: blocks must be >= 1, got {list(blocks)}")
         device = inputs[0].device.index if inputs else torch.cuda.current_device()
-        _C._cuda_launch_function(self._function(device), device, grid, list(self.config.block),
-                                 [tensor.data_ptr() for tensor in inputs], integers)
+        cuda_runtime.launch_function(self._function(device), device, grid, list(self.config.block),
+                                     [tensor.data_ptr() for tensor in inputs], integers)
 
 
 def _as_int(value, what: str) -> int:

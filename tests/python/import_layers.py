@@ -4,7 +4,8 @@ docs/design.md states for it ("Layers of the code": a table of layers, top to bo
 A module may import another only when that module's layer lies strictly below its own, or when
 both belong to the same unit (a subpackage of tutel, or a top-level module, with its own files).
 Imports inside functions count: a lazy import is still a dependency.  Separately, the graph of
-modules must hold no cycle at all.
+modules must hold no cycle at all, and only tutel.ops may reach the compiled extension: no other
+module names tutel._C, its loader or ``torch.ops.tutel`` (extension_reaches).
 """
 import ast
 import pathlib
@@ -146,3 +147,74 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def units(modules: Iterable[str]) -> Set[str]:
     return {unit_of(module) for module in modules if unit_of(module)}
+
+
+# The one package that may reach the compiled extension, and the modules outside it that still do
+# (none: every other module takes the operators from tutel.ops).
+EXTENSION_DOOR = "tutel.ops"
+REACHING_ALLOWED: Tuple[str, ...] = ()
+_EXTENSION = "tutel._C"
+_LOADER = "load_extension"
+
+
+def _is_torch_ops_tutel(node: ast.AST) -> bool:
+    """True for the attribute chain ``torch.ops.tutel``."""
+    return (isinstance(node, ast.Attribute) and node.attr == "tutel" and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "ops" and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch")
+
+
+def _reaches(module: str, is_package: bool, node: ast.AST) -> Optional[str]:
+    """What `node` names of the extension (its module, its loader, its operators), or None."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name == _EXTENSION or alias.name.startswith(_EXTENSION + "."):
+                return f"imports {alias.name}"
+    elif isinstance(node, ast.ImportFrom):
+        base = _resolve(module, is_package, node)
+        if base == _EXTENSION or base.startswith(_EXTENSION + "."):
+            return f"imports from {base}"
+        for alias in node.names:
+            if alias.name == "_C" and base == "tutel":
+                return f"imports {_EXTENSION}"
+            if alias.name == _LOADER:
+                return f"imports {_LOADER} from {base}"
+            if alias.name == "tutel" and base == "torch.ops":
+                return "imports torch.ops.tutel"
+    elif _is_torch_ops_tutel(node):
+        return "names torch.ops.tutel"
+    elif isinstance(node, ast.Attribute):
+        if node.attr == _LOADER:
+            return f"names {_LOADER}"
+        if node.attr == "_C" and isinstance(node.value, ast.Name) and node.value.id == "tutel":
+            return f"names {_EXTENSION}"
+    elif isinstance(node, ast.Name) and node.id == _LOADER:
+        return f"names {_LOADER}"
+    elif isinstance(node, ast.Call):
+        for argument in node.args:
+            if isinstance(argument, ast.Constant) and argument.value == _EXTENSION:
+                return f"imports {_EXTENSION} by name"
+            # torch.library.custom_op("tutel::x"), register_fake("tutel::x"), ...: an operator of
+            # torch.ops.tutel defined or reached by its name
+            if isinstance(argument, ast.Constant) and isinstance(argument.value, str) and \
+                    argument.value.startswith("tutel::"):
+                return f"names the operator {argument.value}"
+    return None
+
+
+def extension_reaches(sources: Dict[str, Tuple[str, bool]], door: str = EXTENSION_DOOR,
+                      allowed: Iterable[str] = REACHING_ALLOWED) -> List[str]:
+    """'module:line: what it names' for every place outside `door` (and the `allowed` modules) that
+    reaches the compiled extension: an import of tutel._C (``from . import _C``, ``import tutel._C``),
+    the attribute ``tutel._C``, the loader ``load_extension``, the chain ``torch.ops.tutel`` or an
+    operator's qualified name ``"tutel::..."`` passed to a call."""
+    allowed = set(allowed)
+    problems = []
+    for module, (source, is_package) in sorted(sources.items()):
+        if module == door or module.startswith(door + ".") or module in allowed:
+            continue
+        # A set: one finding per line and kind, however many nodes of the line show it.
+        found = {(node.lineno, what) for node in ast.walk(ast.parse(source))
+                 for what in [_reaches(module, is_package, node)] if what is not None}
+        problems += [f"{module}:{line}: {what} (only {door} may reach the compiled extension; take it from there)"
+                     for line, what in sorted(found)]
+    return problems

@@ -350,7 +350,7 @@ def test_fake_cuda_composite_versions_read_nothing_back():
 
 
 # ------------------------------------------------------------------------ on a CUDA device --
-cuda_available = torch.cuda.is_available() and tutel._C.with_cuda
+cuda_available = torch.cuda.is_available() and tutel.cuda.is_built()
 
 
 def on_cuda(t: torch.Tensor) -> torch.Tensor:

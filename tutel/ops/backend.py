@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
-from .._extension import load_extension
+from .extension import load_extension
 from . import composite
 from .tracing import is_compiling
 from .self_check import OPERATORS, compare_operators
@@ -181,6 +181,15 @@ class DeviceBackends:
                           f"{'them' if len(failed) > 1 else 'it'} on {device} from now on. Please report this "
                           "with the output of `python -m tutel.check`.", RuntimeWarning, stacklevel=4)
         return choices
+
+
+def compiled_operators():
+    """The compiled operators, ``torch.ops.tutel``: an object with every registered operator as an
+    attribute, each running the implementation of its tensors' device (the CUDA kernels unchecked,
+    whatever the self-check chose).  For the callers outside tutel.ops that compare or time them
+    against the composite ones (``python -m tutel.check``); the layer's paths take
+    ``operators_for(device)`` or tutel.ops.direct instead."""
+    return torch.ops.tutel
 
 
 CUDA_BACKENDS = DeviceBackends(torch.ops.tutel)

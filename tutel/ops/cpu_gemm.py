@@ -14,7 +14,7 @@ the functions here change it while the process runs.  CUDA tensors are not affec
 import contextlib
 from typing import Iterator
 
-from .._extension import load_extension
+from .extension import load_extension
 
 #: The values ``TUTEL_CPU_GEMM`` and :func:`set_cpu_gemm` take.
 CPU_GEMMS = ("tutel", "torch")

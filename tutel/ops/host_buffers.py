@@ -10,7 +10,7 @@ it off), freeing the least recently returned blocks first.
 """
 from typing import Dict
 
-from .._extension import load_extension
+from .extension import load_extension
 
 
 def cached_buffer_stats() -> Dict[str, int]:
