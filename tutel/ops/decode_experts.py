@@ -25,19 +25,13 @@ from typing import Optional, Union
 
 import torch
 
-from .._extension import load_extension
+from .extension import load_extension
+from ..rules.lines import DECODE_MAX_CHOICES, DECODE_MAX_TOKENS  # the kernel's limits, why: tutel/rules/lines.py
 from .backend import fake_mode_active, requested_backend
 from .checks import FLOATING_DTYPES, require_dim, require_floating, require_tensor, same_device
 from .decode_lines import within_line
 from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
 
-# The sizes the CUDA kernel is made (and tested) for: up to 32 tokens and 256 choices (32 tokens
-# of k = 8).  Every block scans the choices before its own to find its expert's, so the kernel's
-# bookkeeping grows with the square of the choices.  Within them, where the kernel hands over to
-# the grouped path is a measured line per GPU and dtype (tutel.ops.decode_lines): past a few rows
-# per expert its products on CUDA cores lose to a grouped product's tensor cores.
-DECODE_MAX_TOKENS = 32
-DECODE_MAX_CHOICES = 256
 # Expert id dtypes the kernel reads as they are (another dtype would need a conversion launch).
 EXPERT_ID_DTYPES = (torch.int32, torch.int64)
 

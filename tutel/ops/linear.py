@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rules.autocast import autocast_dtype, without_autocast
+from ..rules.lines import TOKEN_LINEAR_MAX_ROWS  # the line and its reason: tutel/rules/lines.py
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
@@ -145,24 +146,14 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return _GroupedLinear.apply(x, weight, bias, group_rows, bool(weight_transposed))
 
 
-# Up to this many tokens a 16-bit token_linear runs on tutel's grouped operator.  A router's logits
-# at decoding sizes, 2 threads, Intel Xeon with AMX, microseconds per call (PyTorch's 16-bit linear
-# against the operator): bfloat16 [1 | 16 | 64 | 128 tokens, 1024] x [64, 1024]^T 52 / 48 / 62 / 77
-# against 14 / 17 / 51 / 83; x [256, 7168]^T (DeepSeek-V3's router) at 1 / 16 / 128 tokens 252 /
-# 188 / 458 against 70 / 115 / 582; float16 x [64, 1024]^T at 1 / 4 / 16 / 64 tokens 11 / 38 / 49 /
-# 68 against 9 / 14 / 36 / 80.  With the caches cold after a decoding step's weights streamed (the
-# whole moe_layer call, DeepSeek-like bf16 at 1 token) the router took 0.15-0.3 ms less.
-TOKEN_LINEAR_MAX_ROWS = 16
-
-
 def token_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)`` for [T, K] token rows (a router's logits).
 
-    PyTorch's 16-bit CPU linear has a fixed cost of tens of microseconds per call (more with the
-    caches cold), more than a decoding step's router multiplies; so 16-bit rows on the CPU, up to
-    TOKEN_LINEAR_MAX_ROWS of them, with nothing differentiated, traced or autocast, go through
-    tutel's grouped operator as one group (its skinny products: sums in float, rounded once, as
-    PyTorch's).  Everything else is ``F.linear``."""
+    PyTorch's 16-bit CPU linear has a fixed cost per call (larger with the caches cold) that
+    outweighs what a decoding step's router multiplies; so 16-bit rows on the CPU, up to
+    TOKEN_LINEAR_MAX_ROWS of them (tutel/rules/lines.py), with nothing differentiated, traced or
+    autocast, go through tutel's grouped operator as one group (its skinny products: sums in
+    float, rounded once, as PyTorch's).  Everything else is ``F.linear``."""
     if (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= TOKEN_LINEAR_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
             and (bias is None or bias.dtype == x.dtype) and autocast_dtype("cpu") is None

@@ -1,20 +1,18 @@
 """Which dtype the expert GEMMs of 16-bit data run in on this CPU.
 
 On a CPU without native bfloat16 / float16 dot products (no AVX512-BF16 / AMX / AVX512-FP16,
-which oneDNN reports), PyTorch's 16-bit GEMMs convert inside the kernel and run several times
-slower than float32 ones (measured in benchmarks/transformers_moe.py and docs/design.md).  Once
-every expert multiplies enough rows, converting the operands to float32, multiplying in float32
-and rounding the product back is faster; for a few rows per expert (decoding) the GEMMs read
-the weights once and converting them would cost more than it saves.  The product differs from
-the 16-bit GEMM's only by its rounding: both accumulate in float32.
+which oneDNN reports), PyTorch's 16-bit GEMMs convert inside the kernel and run slower than
+float32 ones.  Once every expert multiplies enough rows, converting the operands to float32,
+multiplying in float32 and rounding the product back is faster; for a few rows per expert
+(decoding) the GEMMs read the weights once and converting them would cost more than it saves.
+Where that line lies, and the benchmark that measures it: ``UPCAST_MIN_ROWS_PER_EXPERT`` in
+tutel/rules/lines.py.  The product differs from the 16-bit GEMM's only by its rounding: both
+accumulate in float32.
 """
 import torch
 
+from ..rules.lines import UPCAST_MIN_ROWS_PER_EXPERT  # the line and its reason: tutel/rules/lines.py
 from .tracing import eager_without_grad
-
-# Rows per expert from which float32 GEMMs (plus converting the weights) beat 16-bit ones on a
-# CPU without native 16-bit dot products (measured: 16 rows lose, 256 rows win by 4x).
-UPCAST_MIN_ROWS_PER_EXPERT = 32
 
 
 def _probe(name: str) -> bool:
@@ -46,7 +44,7 @@ def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` in `dtype` (the dtype gemm_dtype chose).  Eager CPU tensors without autograd convert into a
     buffer of tutel's block cache (``tutel::to_dtype``): widening 16-bit expert weights makes
     hundreds of MB per call, and a fresh tensor of that size costs more in page faults than the
-    conversion itself (Mixtral-like experts: 130 ms against 18 ms).  Elsewhere ``t.to(dtype)``."""
+    conversion itself.  Elsewhere ``t.to(dtype)``."""
     if t.dtype == dtype:
         return t
     if t.device.type == "cpu" and eager_without_grad(t):
