@@ -53,8 +53,8 @@ void partial_sort_top_k(const A* values, int64_t k, std::vector<int32_t>& order)
 
 // Scores examined at once by the skip test below, and the expert count from
 // which the test pays: with few experts the list's k-th best is still low when
-// the blocks arrive, most blocks pass and the test is extra work (measured: 15%
-// slower at 64 experts, 1.7x faster at 1024).
+// the blocks arrive, most blocks pass and the test is extra work (slower at 64
+// experts, much faster at 1024: docs/performance.md, "Routing on the CPU").
 constexpr int64_t kScanBlock = 16;
 constexpr int64_t kScanMinExperts = 256;
 

@@ -74,7 +74,7 @@ std::vector<GroupProduct> choose_products(const std::vector<int64_t>& offsets, c
 
 // The largest GEMM piece worth keeping whole when `total` multiply-adds are spread over `threads`:
 // half of one thread's share, so that the threads' last claims end close together (finer cuts pack
-// the other operand more often: Mixtral-like T=8192 ran 1.3x slower at a quarter with 64-row pieces).
+// the other operand more often and ran slower: docs/performance.md, "Large groups: work balance").
 double max_piece_cost(double total, int threads);
 
 }  // namespace gemm

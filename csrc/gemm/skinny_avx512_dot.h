@@ -185,11 +185,8 @@ TUTEL_SKINNY_DOT_TARGET void dot_block_of(int64_t rows, const SkinnyProduct<T>& 
 // (the last one shorter), each with its own sums in `carry` (NO * kRows vectors per block).  Every
 // block reads the same matrix rows, the first from memory, so their requests for the data further
 // on are spread over the blocks (one matrix row each from the fourth block on, two each for two or
-// three blocks): memory then streams while all of them compute, not in bursts during the first.
-// Measured on an Intel Xeon, 2 threads, 8 experts after a 600 MB read, against the first block
-// asking for all (medians of four runs): float32 [1024, 1024] at 16 / 32 token rows 2.9 -> 2.7 /
-// 5.0 -> 4.6 ms, bfloat16 at 6 rows 1.40 -> 1.33 ms; float32 [1024, 3584] at 16 rows 9.6-10.1 ->
-// 7.2-9.2 ms (three runs).
+// three blocks): memory then streams while all of them compute, not in bursts during the first,
+// which was faster than the first block asking for all (docs/performance.md, "Skinny products").
 template <class T, class Dot, int NO, int kRows>
 TUTEL_SKINNY_DOT_TARGET void dot_all_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t chunk,
                                           float* carry, const RowPrefetch& pf) {

@@ -67,9 +67,9 @@ TUTEL_AVX2_FMA inline float horizontal_sum(__m256 v) {
 
 // y[r + j, o + i] for i < NO, j < NR, summing over the matrix rows o + i.  With a single token
 // row or a single matrix row each output keeps two accumulators (even and odd halves of a pair),
-// so the chains of dependent multiply-adds are short enough to keep the FMA units busy (one
-// matrix row by two token rows with one accumulator each: bfloat16 at 2 / 3 token rows 0.80-0.83x
-// the time, float32 unchanged).
+// so the chains of dependent multiply-adds are short enough to keep the FMA units busy (against
+// one accumulator each, bfloat16 gained and float32 was unchanged: docs/performance.md, "Skinny
+// products").
 template <class T, int NO, int NR>
 TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r, const RowPrefetch& pf) {
   constexpr int NA = NR == 1 || NO == 1 ? 2 : 1;
@@ -114,9 +114,9 @@ TUTEL_AVX2_FMA void dot_block(const SkinnyProduct<T>& p, int64_t inner, int64_t 
 // expert has.
 //
 // 1 x 4 is for 16-bit data read one matrix row at a time, where each pass widens the matrix row
-// again: 8 experts [1024, K] after a 256 MB read (Zen 3), bfloat16 at 4 token rows K = 512 / 1024
-// 0.70 -> 0.46 / 1.38 -> 0.71 ms against token pairs.  float32 gained at 4-8 rows with K = 512
-// (0.87-0.96x) but lost at 16-32 rows with K = 256 (1.12-1.14x), so it keeps the pairs.
+// again: against token pairs it made bfloat16 markedly faster.  float32 gained at a few rows but
+// lost at 16-32 rows of short matrix rows, so it keeps the pairs (docs/performance.md, "Skinny
+// products").
 template <class T, int NO>
 TUTEL_AVX2_FMA void dot_block_x4(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t r,
                                  const RowPrefetch& pf) {
@@ -167,29 +167,20 @@ TUTEL_AVX2_FMA void dot_rows(const SkinnyProduct<T>& p, int64_t inner, int64_t o
 
 // Four matrix rows no longer stay in the L1 cache beside the token rows and the lines prefetched
 // for the next rows once they hold this many bytes; dot_rows' second pair of token rows would
-// then read them again from further out.  Measured on Zen 3, 2 threads, float32, 8 experts [O, K],
-// each product timed after a 256 MB read (two runs each): K = 3584 (Mixtral's down projection) at
-// 4 / 5 / 8 rows per expert 3.7-3.9 -> 3.4-3.5, 5.0-5.2 -> 4.7, 6.7-7.0 -> 5.8 ms; K = 2048 at
-// 4 / 8 rows 4.5-4.7 -> 4.1, 7.7-9.4 -> 6.8-6.9 ms; 6-7 rows within 3% either way.  Rows of exactly
-// a page (4 of them 16 KiB) at 4 token rows: K = 1024 with 7168 outputs (Mixtral's gate and up)
-// 7.7 -> 6.7 ms, bfloat16 K = 2048 2.74 -> 2.38 ms, at 8-16 rows unchanged.  With 3 rows (no block
-// of four) this order was slower (3.6-3.7 -> 4.2 ms), so it starts at 4.
+// then read them again from further out.  From 4 token rows the 2 x 4 blocks were faster or no
+// slower, also for rows of exactly a page (4 of them 16 KiB); with 3 rows (no block of four) this order was
+// slower, so it starts at 4 (docs/performance.md, "Skinny products").
 constexpr int64_t kFourMatrixRowsInL1 = 16 << 10;
 
 // Matrix rows shorter than a page share it with their neighbours, and four of them read side
 // by side walk one page at four places at once, which the hardware prefetchers follow poorly;
-// read one after another they are a single forward stream.  Measured on Zen 3, 2 threads, 8
-// experts [O, K], each product timed after a 256 MB read: float32 K = 256 (1 KiB rows) at 1 / 4 /
-// 8 / 32 token rows 0.48 -> 0.30, 0.51 -> 0.39, 0.91 -> 0.67, 2.79 -> 2.48 ms; K = 512 at 1 / 8
-// rows 0.40 -> 0.31, 0.89 -> 0.69 ms; bfloat16 K = 512 / 1024 at 1 row 0.40 -> 0.30 / 0.72 -> 0.53
-// ms; K = 1024 float32 (a whole page) and longer rows unchanged or slower.  Either way each sum
-// is the same float dot product; only the order of its additions can differ (one or two
-// accumulators, dot_block).
+// read one after another they are a single forward stream, which was faster for rows under a
+// page and unchanged or slower from a page on (docs/performance.md, "Skinny products").  Either
+// way each sum is the same float dot product; only the order of its additions can differ (one or
+// two accumulators, dot_block).
 constexpr int64_t kPageBytes = 4096;
 // 16-bit token rows are widened again for every matrix row read alone: past 4 of them that cost
-// more than the stream gains (bfloat16 K = 512 at 8 / 16 / 32 rows: 1.22-1.25x slower; at 1 /
-// 2 / 4 rows 0.74 / 0.88 / 0.86x).  With the 1 x 4 blocks (dot_block_x4) still 1.05-1.34x slower
-// at 5-32 rows (bfloat16 and float16, K = 512 and 1024).
+// more than the stream gains, even with the 1 x 4 blocks (dot_block_x4).
 constexpr int64_t kFewRowsOf16Bit = 4;
 
 template <class T>
@@ -268,8 +259,8 @@ TUTEL_AVX2_FMA void stream_all_rows(const SkinnyProduct<T>& p, int64_t k0, int64
 // tile are read whole and in order, four at a time (one stream the hardware prefetchers
 // follow), every token row's float sums wait in `acc`.  Walking the matrix instead in chunks of
 // 32 rows x 256-output strips (1 KiB runs at the row stride, kept in cache while every token
-// row used them) was 1.1-1.9x slower at 1 to 32 token rows (float32 and bfloat16, 1024 x 1024
-// and 1024 x 7168 matrices, Zen 1).
+// row used them) was slower at every row count from 1 to 32: the prefetchers follow one long
+// stream, not 32 short ones (docs/performance.md, "Skinny products").
 template <class T>
 TUTEL_AVX2_FMA void stream_tile(const SkinnyProduct<T>& p, int64_t inner, int64_t o, int64_t width,
                                 std::vector<float>& acc) {

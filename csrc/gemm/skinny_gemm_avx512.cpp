@@ -10,8 +10,8 @@
 // [K, O] (below): strips of 32 outputs whose sums stay in registers for blocks of 6 token rows,
 // over chunks of 32 matrix rows.  The AVX2 kernel keeps its sums in memory between matrix rows,
 // which bounds it by loads and stores from a few token rows on; walking the matrix in strips
-// across whole rows (rather than one strip down all of k: a new page at every matrix row, 1.2-1.6x
-// slower than the AVX2 kernel at 8-32 token rows) reads each page of a chunk whole.
+// across whole rows (rather than one strip down all of k: a new page at every matrix row, slower
+// than the AVX2 kernel) reads each page of a chunk whole.
 //
 // GCC 12's AVX-512 intrinsics start from undefined vectors, which its own (maybe-)uninitialized
 // warnings flag at every inlined use; this file holds nothing else those warnings could catch.
@@ -147,12 +147,8 @@ constexpr int kStripRows = 6;
 constexpr int64_t kStripChunk = 32;
 
 // Up to this many token rows the stream kernel (AVX2: one pass over whole matrix rows, bound by
-// the matrix's bandwidth) is kept.  Measured on an Intel Xeon with AVX-512, 2 threads, 8 experts
-// [1024, 2048] after a 600 MB read, ms strips / stream in two or three runs: float32 at 1 / 4 / 6 /
-// 8 / 16 token rows 2.41-2.70 / 2.60-2.91 / 2.79-2.92 / 3.45-3.61 / 5.25-5.34 against 2.40-3.11 /
-// 2.83-3.31 / 4.59-6.19 / 5.30-5.59 / 9.09-11.1 (PyTorch's GEMM from 8 rows 5.82-6.20 / 6.88-7.09);
-// bfloat16 at 1 / 4 / 8 rows 1.55-1.80 / 1.80-2.07 / 3.35-3.42 against 1.48-1.53 / 2.55-2.68 /
-// 5.13-5.43.
+// the matrix's bandwidth) is kept: at one or two rows it keeps up with the strips or beats them,
+// from a few rows on the strips pull ahead (docs/performance.md, "Skinny products").
 constexpr int64_t kStreamRows = 2;
 
 // [K, O] from 3 token rows: for each chunk of k, strips of 32 outputs (16 at the end) across the

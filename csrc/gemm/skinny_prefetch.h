@@ -17,21 +17,16 @@ namespace skinny {
 
 // Both layouts prefetch each matrix row's data from a row further on, at the same column: a
 // tile's rows follow one another, so this runs a few KiB ahead of the loads.  The rows are short
-// streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up late; measured on
-// Zen 1 (one token row, 8 of 64 experts), 8 rows ahead: [O, K] bfloat16 13 -> 17 GB/s, float32
-// with 512-element rows 15 -> 16 GB/s; [K, O] bfloat16 12 -> 16 GB/s (4 token rows: 7.7 -> 9.8),
-// float32 unchanged.  Prefetching 1 KiB ahead in the same row gained less (about 10% for [O, K]
-// bfloat16).  Prefetches never fault, so reading past the matrix's end is harmless.
+// streams (2 KiB for 1024 bfloat16 values) that the hardware prefetchers pick up late, so reading
+// them ahead raised the matrix's read rate, most for bfloat16; prefetching further along the same
+// row gained less (docs/performance.md, "Skinny products").  Prefetches never fault, so reading
+// past the matrix's end is harmless.
 constexpr int kPrefetchRowsAhead = 8;
 
 // [O, K] rows longer than 4 KiB are prefetched at most this far ahead (whole rows, at least one):
 // 8 rows of 16 or 56 KiB put the lines hundreds of KiB ahead of their use, and those evicted
-// before it were read twice.  Measured on Zen 3, 2 threads, 8 experts, each product after a 64 MB
-// read (GB/s of matrix read, 8 rows ahead against this bound): float32 [4096, 14336] (Mixtral-8x7B's
-// down projection, one row ahead) at 1 / 2 / 4 token rows 32.5 / 34.4 / 30.2 -> 36.5 / 39.1 / 32.5;
-// [28672, 4096] (its gate and up, two rows) 28.9 / 36.9 / 33.7 -> 30.0 / 39.4 / 35.2; [1024, 3584]
-// 24.5 / 24.5 / 20.4 -> 26.8 / 23.0 / 23.5; bfloat16 [1024, 3584] (four rows) 25.2 / 23.9 / 23.8 ->
-// 26.4 / 25.1 / 25.0.  Rows of up to 4 KiB (8 of them within the bound) are unchanged.
+// before it were read twice.  With the bound Mixtral-8x7B's long rows read faster; rows of up to
+// 4 KiB (8 of them within the bound) are unchanged (docs/performance.md, "Skinny products").
 constexpr int64_t kPrefetchBytesAhead = 32 << 10;
 
 // Where a kernel prefetches: `ahead` elements past each load, with the non-temporal hint or not.
@@ -43,21 +38,18 @@ struct RowPrefetch {
 // The prefetches bring a row in with the non-temporal hint (into L1, past the outer caches)
 // when the data in flight between a prefetch and its load fits the L1 cache: a decoding step
 // reads every weight once, and keeping them out of L2 / L3 leaves the rest of the step (the
-// routing, the activations, the interpreter) in cache.  Measured on Zen 1 (32 KiB L1D): one
-// token row, one MoE block through transformers' tutel backend, deepseek-like 2.45 -> 2.02 ms,
-// qwen3-like 3.44 -> 3.24 ms; the products alone 0.89-0.97x at 1-2 rows, equal at 4-32.  Beyond
-// these windows the lines arrived too early and were evicted before use (1.1-1.2x slower), so
-// the T0 hint stays: [O, K] rows up to 32 KiB in flight (8 rows of 1024 floats),
-// [K, O] tiles up to 16 KiB (it streams 4 matrix rows at once).
+// routing, the activations, the interpreter) in cache, so a whole decoding call ran faster, not
+// only its products.  Beyond these windows the lines arrived too early and were evicted before
+// use, so the T0 hint stays there: [O, K] rows up to 32 KiB in flight (8 rows of 1024 floats),
+// [K, O] tiles up to 16 KiB (it streams 4 matrix rows at once).  Figures: docs/performance.md,
+// "Skinny products".
 constexpr int64_t kNonTemporalWindowDot = 32 << 10;
 constexpr int64_t kNonTemporalWindowStream = 16 << 10;
 
 // The hint is for AMD's cores only.  Intel's cores keep lines prefetched with it out of L2, where
-// their own prefetchers would have followed the stream, and the products crawl: measured on an
-// Intel Xeon with AVX-512 and AMX, 2 threads, 8 experts, one token row, each product after a
-// 600 MB read (GB/s of matrix read, hint -> T0; a plain read of the same bytes 33-46): float32
-// [O, K] 1024 x 1024 8.4-9.1 -> 36-40, [K, O] tiles 256 and 512 outputs wide 10.7-11.2 -> 21.6 and
-// 7.4-10.1 -> 32.9.  No prefetch at all ran at 30-36 there, so T0 stays.
+// their own prefetchers would have followed the stream, and the products crawl: on an Intel Xeon
+// they read the matrix at a fraction of the rate they reach with T0, slower even than with no
+// prefetch at all, so T0 stays there (docs/performance.md, "Skinny products").
 inline bool nontemporal_hint_pays() {
   static const bool amd = __builtin_cpu_is("amd");
   return amd;

@@ -480,10 +480,8 @@ TUTEL_AMX inline const void* matrix_tile(const SkinnyProduct<bfloat16>& p, int64
 
 // Matrix rows are read this many steps (x 16) at a time across all of an item's columns, each
 // (token block, 64 columns) keeping its sums in tiles over the chunk and in memory between chunks.
-// Measured with 8 experts of [1024, 7168] / [3584, 1024] at 16 token rows, ms: 1 step (sums through
-// memory every step) 4.8 / 4.8, 4 steps 4.9 / 3.9, 8 steps 8.6 / 3.3 (64 rows read side by side
-// stream; 128 outrun the prefetchers), against 8.0 / 5.3 interleaving and 4.4 / 2.3 for the same
-// matrices as [O, K].
+// One step passes the sums through memory every step; 64 matrix rows read side by side still
+// stream, 128 outrun the prefetchers (docs/performance.md, "Tile products on AMX").
 constexpr int64_t kInPlaceChunkSteps = 4;
 
 // [K, O] matrices read in place: outputs [o_begin, o_end) of product p, whose token rows are
@@ -566,19 +564,14 @@ enum class TileMode { kMatrixRowsAsA, kMatrixPacked, kInterleaved, kInPlace };
 // [O, K] products of at least this many token rows pack the matrix: one more pass over it, which
 // from 8 blocks of token rows on costs less than the transposed sums of the in-place way (and its
 // A tiles, 16 rows a whole matrix row apart, read from the second-level cache for every block).
-// Measured on an Intel Xeon with AMX, 2 threads, 8 experts, the calls interleaved, ms packed /
-// in place: [1024, 256] at 128 / 192 / 256 rows 0.80 / 1.61 / 2.14 against 0.81 / 1.82 / 2.48,
-// [1024, 512] 2.02 / 2.71 / 3.76 against 2.03 / 2.90 / 4.03, [512, 1024] 1.63 / 2.97 / 3.38 against
-// 1.49 / 2.83 / 3.30 (within the noise there).
+// With 256-512 inner values the packed way ran faster from 192 token rows (alike at 128), with
+// 1024 the two ways were within the noise (docs/performance.md, "Tile products on AMX").
 constexpr int64_t kMatrixPackedMinRows = 128;
 
 // [K, O] products of up to this many token rows (one block) read the matrix in place: with a
 // second block its tiles come from the cache a second time, through twice the tile products, and
-// interleaving caught up.  Measured on an Intel Xeon with AMX, 2 threads, each call after a 600 MB
-// read, ms in place / interleaved: 8 experts of [1024, 7168] at 9 / 12 / 16 rows 4.4 / 4.6 / 4.4
-// against 7.7 / 7.8 / 7.7, [3584, 1024] 2.9 / 3.0 / 3.9 against 3.9 / 4.0 / 4.4, 64 experts of
-// [512, 1024] 3.8 / 3.4 / 3.7 against 5.6 / 4.5 / 4.7, [1024, 256] 2.4 / 2.4 / 2.6 against 2.5 /
-// 2.6 / 2.7; at 20-24 rows 5.3 against 3.6-3.9 ([1024, 256]) and 7.8 against 6.6 ([1024, 3584]).
+// interleaving caught up.  Up to one block the in-place reading was faster on every shape measured
+// (docs/performance.md, "Tile products on AMX").
 constexpr int64_t kInPlaceMaxRows = 16;
 
 TileMode tile_mode(WeightLayout layout, int64_t rows) {
@@ -596,10 +589,8 @@ int64_t tiles_per_block(TileMode mode, int64_t inner) {
 // whatever the range).  [K, O] matrices: the widest multiple of 32 outputs that still gives every
 // thread an item among the `products` of the same mode, so that their rows are read whole once
 // there are as many products as threads; interleaved up to 1024 outputs: wider items leave a chunk
-// too few steps (kChunkTiles) and pass the sums through memory after each.  Measured with 8
-// experts of Mixtral-like [1024, 3584] at 64 rows: 11.6 ms with items 3584 wide (one step per
-// chunk), 9.5 with 1024 (the GEMM 9.4); at 16 / 32 rows 4.0 / 6.2 against 4.2 / 5.6.  In place,
-// whole rows stream best: [1024, 7168] at 16 rows 4.9 ms with items 7168 wide, 6.0 with 1024.
+// too few steps (kChunkTiles) and pass the sums through memory after each.  In place, whole rows
+// stream best (docs/performance.md, "Tile products on AMX").
 constexpr int64_t kOutputsPerItem = 64;
 constexpr int64_t kMaxInterleavedItemOutputs = 1024;
 

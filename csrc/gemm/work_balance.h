@@ -31,10 +31,10 @@ std::vector<int64_t> grouped_longest_first(const std::vector<double>& group_cost
 
 // Hands out the items of an order, one at a time or in runs, to whichever worker asks next.  The
 // costs are estimates (multiply-adds), and products of equal cost run at different rates (PyTorch's
-// bfloat16 GEMM took 1.45x longer for a weight gradient, whose left operand is a transposed view,
+// bfloat16 GEMM is markedly slower for a weight gradient, whose left operand is a transposed view,
 // than for the input gradient of the same shape): a worker that claims as it finishes ends at most
 // one item after the others whatever the real costs, where lists fixed in advance left one thread
-// with every slow item.
+// with every slow item (docs/performance.md, "Large groups: work balance").
 class WorkQueue {
  public:
   explicit WorkQueue(std::vector<int64_t> order) : order_(std::move(order)) {}
@@ -48,8 +48,8 @@ class WorkQueue {
   // A run of neighbouring positions of the order, [first, last), claimed together: 1 / (2 workers)
   // of the items left, at least one (first == last once every item is claimed).  For small items
   // of neighbouring memory (a matrix's outputs in pieces): each worker streams long runs first,
-  // where claiming items one at a time had the workers take turns along the same matrix (bf16
-  // Qwen3-like experts at one token 1.96 -> 2.06 ms), and the last claims are single items.
+  // where claiming items one at a time had the workers take turns along the same matrix and
+  // stream it worse, and the last claims are single items.
   // Safe from several threads, also beside claim().
   std::pair<int64_t, int64_t> claim_run(int64_t workers) {
     const int64_t size = int64_t(order_.size());

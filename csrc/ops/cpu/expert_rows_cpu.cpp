@@ -98,7 +98,7 @@ at::Tensor choice_rows_cpu(const at::Tensor& x_in, const at::Tensor& slot_choice
   for (int64_t s = 0; s < slots; ++s)
     TORCH_CHECK_INDEX(choices[s] >= 0 && choices[s] < tokens * k, "tutel::", op, ": `slot_choices`[", s, "] = ",
                       choices[s], " is out of range; choices must satisfy 0 <= choice < T k = ", tokens, " * ", k);
-  // From the block cache: a fresh [N, H] buffer's page faults cost 3-4x the copy itself.
+  // From the block cache: a fresh [N, H] buffer's page faults cost more than the copy itself.
   at::Tensor out = empty_reusable({slots, columns}, x.options());
   if (out.numel() == 0) return out;
   const int64_t row_bytes = columns * x.element_size(), x_stride_bytes = x.stride(0) * x.element_size();

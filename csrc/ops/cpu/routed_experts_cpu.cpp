@@ -2,15 +2,15 @@
 // of moe_layer's llama_ffn experts, whose gate and up matrices are separate), in one operator
 // call.  Step by step it is six operator calls with Python between them (grouping, the token rows'
 // copy, two grouped products, the gated unit, the weighted combine), and at decoding sizes their
-// fixed costs add up to a third of the time it takes to stream the active experts' weights; here
+// fixed costs are a sizeable share of the time it takes to stream the active experts' weights; here
 // the same CPU implementations run back to back in C++.
 //
 // The work around the products stays out of ATen's operators (the grouping into plain arrays, the
 // rows scattered and gathered by core/dispatch.h, the routing weights read in place): with the
-// caches cold after the weights streamed, each operator call through the dispatcher costs several
-// microseconds; one token through DeepSeek-like experts spent 90 us of its fixed 130 there.  For the
-// same reason tutel._C also binds the function directly, for eager CPU calls without autograd
-// (tutel.experts.routed.routed_gated_experts_cpu).
+// caches cold after the weights streamed, every operator call through the dispatcher has a fixed
+// cost, and at one token those costs were most of this operator's own time (docs/performance.md,
+// "Routed experts on the CPU").  For the same reason tutel._C also binds the function directly,
+// for eager CPU calls without autograd (tutel.experts.routed.routed_gated_experts_cpu).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/record_function.h>

@@ -1,7 +1,8 @@
 // select_rows: rows of a matrix picked by index into a reused buffer.  It is
 // torch.index_select(x, 0, index) except for where the result lives: the grouped
 // inference path gathers tens of MB of token rows per piece, and a fresh tensor of
-// that size costs more in page faults than the copy (83 vs 13 ms for 128 MB here).
+// that size costs more in page faults than the copy (docs/performance.md, "Routed
+// experts on the CPU").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

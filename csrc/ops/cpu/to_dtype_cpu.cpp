@@ -1,8 +1,7 @@
 // to_dtype: a contiguous copy of a tensor in another dtype, in a reused buffer.  It is
 // x.to(dtype) except for where the result lives: 16-bit expert weights widened to float32 for
 // the GEMMs (tutel.ops.precision) are hundreds of MB per call, and a fresh tensor of that size
-// costs more in page faults than the conversion (Mixtral-like experts, bf16 -> float32: 130 ms
-// fresh, 18 ms into a kept buffer, 2-core Zen 3).
+// costs more in page faults than the conversion (docs/performance.md, "Reused CPU buffers").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
