@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tutel import ops
-from tutel.experts.routed import plan_routing
+from tutel.paths.plans import plan_routing
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-12, 1e-12), torch.bfloat16: (1e-2, 1e-2),

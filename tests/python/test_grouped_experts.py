@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from layer_harness import float64_copy, run_and_compare
 from test_gates_experts import llama_reference
 from tutel import moe
-from tutel.experts._grouped import grouped_locations, occupied_rows
+from tutel.paths.plans import grouped_locations, occupied_rows
 from tutel.impls.fast_dispatch import CriticalData
 
 
@@ -178,8 +178,10 @@ def record_lean_calls(layer):
 
 
 def forbid(monkeypatch, name):
-    """Makes `name` (one of the two inference paths of tutel.impls.layer_paths) fail when called."""
-    import tutel.impls.layer_paths as grouped
+    """Makes `name` (the pieces' combine_without_grad or the one-call stage's gated_experts_in_one_call,
+    tutel.paths) fail when called."""
+    from tutel.paths import experts_one_call, experts_pieces
+    grouped = experts_pieces if name == "combine_without_grad" else experts_one_call
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"{name} ran")
@@ -247,9 +249,9 @@ def test_llama_experts_with_another_activation_keep_the_pieces(monkeypatch):
 def test_grouped_path_without_grad_in_pieces(monkeypatch, name):
     """Pieces of 7 grouped rows (each gathered from the tokens and added back) equal the reference,
     with and without dropped tokens."""
-    from tutel.experts import routed
-    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
-    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    from tutel.paths import experts_pieces
+    monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
+    monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
     forbid(monkeypatch, "gated_experts_in_one_call")
     for capacity_factor in (0.0, 0.7):
         layer = make_layer(6, 3, capacity_factor, hidden=9, **LEAN_EXPERTS[name])
@@ -290,7 +292,7 @@ def test_grouped_path_with_grad_or_prescore_keeps_autograd():
 
 
 def testchoice_table_reuses_only_the_unbound_table():
-    from tutel.experts._grouped import choice_table
+    from tutel.paths.plans import choice_table
     table = torch.arange(12, dtype=torch.int32).view(3, 4).clone()  # not itself a view, as the routing's tables
     assert choice_table(list(table.unbind(0))) is table
     for choices in (list(table.unbind(0))[::-1], list(table.unbind(0))[:2], [t.clone() for t in table.unbind(0)],

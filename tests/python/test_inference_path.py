@@ -1,6 +1,6 @@
-"""moe_layer's forward without autograd in one routing call and one experts call
-(tutel.impls.inference_path): the routing function against float64 sums of the same scores, and the
-layer against the float64 token-by-token reference, with the calls it must leave to the general
+"""moe_layer's forward without autograd in one routing call and one experts call (the path
+LAYER_IN_TWO_CALLS, routed by tutel.impls.layer_routing.route_in_one_pass): the routing function
+against float64 sums of the same scores, and the layer against the float64 token-by-token reference, with the calls it must leave to the general
 forward."""
 import pytest
 import torch
@@ -8,9 +8,9 @@ import torch
 from layer_harness import run_and_compare
 from test_gates_experts import llama_reference
 from test_grouped_experts import make_layer
-from tutel.impls import inference_path
+from tutel.impls import layer_paths
+from tutel.ops.direct import route_without_grad
 
-route_without_grad = inference_path._route_without_grad
 
 # One rounding of each dtype (float64: the float32 error of no step applies).
 UNIT_ROUNDING = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
@@ -84,14 +84,14 @@ def test_routing_rejects_bad_arguments():
 
 
 def record_fast_calls(monkeypatch):
-    """Records a True for every call that runs inference_path.forward_in_two_calls."""
+    """Records a True for every call that routes in one pass (the path LAYER_IN_TWO_CALLS)."""
     taken = []
-    original = inference_path.forward_in_two_calls
+    original = layer_paths.route_in_one_pass
 
     def recording(*args, **kwargs):
         taken.append(True)
         return original(*args, **kwargs)
-    monkeypatch.setattr(inference_path, "forward_in_two_calls", recording)
+    monkeypatch.setattr(layer_paths, "route_in_one_pass", recording)
     return taken
 
 

@@ -347,7 +347,7 @@ def test_expert_parallel_layer_with_a_static_capacity_has_no_host_sync(two_fake_
     goes through host integers (a CPU collective), the rest reads nothing back, forward and
     backward.  The agreement runs outside the fake mode here, on real CPU tensors: had it gone
     through the device, the CPU-only PyTorch would refuse to make its CUDA tensor."""
-    import tutel.impls.call_agreement as call_agreement
+    import tutel.paths.call_agreement as call_agreement
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     real, agreed = call_agreement.all_reduce_max_ints, []
 

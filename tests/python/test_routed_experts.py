@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tutel.experts.routed
 from tutel.experts import routed_experts
+from tutel.ops import direct
 from tutel.ops.gated_units import SWIGLU, GatedUnit
+from tutel.paths import WeightExperts, experts_pieces
 
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-4, 2e-5),
              torch.bfloat16: (4e-2, 4e-2), torch.float16: (4e-3, 4e-3)}
@@ -261,9 +262,8 @@ def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, ga
     """Inference runs the grouped rows in pieces, each gathered from the tokens and added back
     into the result (experts cut across piece ends, dropped choices skipped, biases picked per
     row); forced here to 7 rows per piece."""
-    import tutel.experts.routed as routed
-    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
-    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
+    monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
     gated = gate_kind != "activation"
     x, ids, weights, up, down, up_bias, down_bias = make_case(23, 16, 8, 12, 5, 3, gated, transposed, True, True,
                                                               dtype, seed=21)
@@ -275,7 +275,8 @@ def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, ga
         kwargs.update(gate_fn=lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
     else:
         kwargs.update(activation=torch.tanh)
-    assert routed._piece_rows(up, transposed) == 7
+    assert experts_pieces.piece_rows(WeightExperts(up, down, None, None, transposed, None, None, torch.tanh, None)
+                                     .grouped_products(up.dtype)[1]) == 7
     with torch.no_grad():
         y = routed_experts(x, ids, weights, up, down, **kwargs)
     leaves = [t.detach().double() for t in (x, weights, up, down, up_bias, down_bias)]
@@ -286,9 +287,8 @@ def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, ga
 
 def test_pieces_with_every_choice_dropped(monkeypatch):
     """Pieces forced, but no choice kept (every id outside [0, E)): zeros, no piece runs."""
-    import tutel.experts.routed as routed
-    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
-    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
+    monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
     x, ids, weights, up, down, _, _ = make_case(23, 16, 8, 12, 5, 3, True, False, False, False, torch.float32, seed=5)
     with torch.no_grad():
         y = routed_experts(x, torch.full_like(ids, 5), weights, up, down, gate="swiglu")
@@ -326,11 +326,10 @@ def run_without_grad(case, transposed, dtype, unit=SWIGLU, use_weights=True, ids
 @pytest.fixture
 def one_call_only(monkeypatch):
     """Fails a test whose no-grad gated call takes the step-by-step path instead of the one-call operator."""
-    import tutel.experts.routed as routed
 
     def refuse(*args, **kwargs):
         raise AssertionError("the step-by-step inference path ran")
-    monkeypatch.setattr(routed, "combine_without_grad", refuse)
+    monkeypatch.setattr(experts_pieces, "combine_without_grad", refuse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -377,12 +376,11 @@ def test_one_call_inference_widened(no_native_16bit, one_call_only, dtype):
 def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
     """Gradients, gate_fn / activation experts, post_fn, a down projection in another dtype than the
     up projection and more rows than a piece keep the step-by-step paths."""
-    import tutel.experts.routed as routed
 
     def refuse(*args, **kwargs):
         raise AssertionError("routed_gated_experts ran")
-    monkeypatch.setattr(torch.ops.tutel, "routed_gated_experts", refuse)
-    monkeypatch.setattr(routed, "routed_gated_experts_cpu", refuse)  # the same, bound directly
+    monkeypatch.setattr(direct, "routed_gated_experts", refuse)
+    monkeypatch.setattr(direct, "routed_gated_experts_cpu", refuse)  # the same, bound directly
     case = make_case(9, 16, 8, 16, 5, 3, True, False, True, False, torch.float32, seed=8)
     run_and_compare(case, False, True, torch.float32)  # autograd
     x, ids, weights, up, down, ub, db = detached(case)
@@ -393,8 +391,8 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
         ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(),
                         False, True, kwargs.get("post_fn"))
         torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
-    monkeypatch.setattr(routed, "_MIN_PIECE_ROWS", 7)
-    monkeypatch.setattr(routed, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
     y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
     ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(), False, True)
     torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
@@ -402,7 +400,7 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
 
 # The operator through the dispatcher, and its CPU implementation bound directly in tutel._C.
 ONE_CALL_ENTRIES = {"registered": lambda: torch.ops.tutel.routed_gated_experts,
-                    "direct": lambda: tutel.experts.routed.routed_gated_experts_cpu}
+                    "direct": lambda: direct.routed_gated_experts_cpu}
 
 
 @pytest.mark.parametrize("entry", sorted(ONE_CALL_ENTRIES))

@@ -9,7 +9,7 @@ tensor-ops version that devices without tutel's kernels run (tutel.ops.composite
 import pytest
 import torch
 
-from tutel.experts.routed import plan_routing
+from tutel.paths.plans import plan_routing
 from tutel.ops.backend import use_operators
 
 

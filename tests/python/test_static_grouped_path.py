@@ -1,4 +1,4 @@
-"""moe_layer's static grouped path (tutel.impls.static_grouped_path, the CUDA path with no host
+"""moe_layer's static grouped path (tutel.paths.table's STATIC_GROUPED row, the CUDA path with no host
 synchronisation) against the float64 token-by-token reference: output, l_aux and every gradient,
 dropless and with static capacities that drop, for both built-in experts; and its decoding-size
 inference variant (STATIC_DECODE), output and l_aux.  On CPU the chooser never
@@ -11,28 +11,27 @@ import tutel.impls.moe_layer as moe_layer_module
 from layer_harness import run_and_compare
 from test_gates_experts import llama_reference
 from test_grouped_experts import make_layer
-from tutel.impls import static_grouped_path
+from tutel.impls import layer_paths
 from tutel.rules.paths import Path, PathChoice
 
 
-def _force(monkeypatch, path: Path, function: str):
-    """Sends every moe_layer call to `path` (run by static_grouped_path.`function`); returns the list
-    of the calls it ran."""
+def _force(monkeypatch, path: Path):
+    """Sends every moe_layer call to `path`; returns a list with a True for every call that ran it."""
     taken = []
-    original = getattr(static_grouped_path, function)
+    original = layer_paths.run
 
-    def recording(*args, **kwargs):
-        taken.append(True)
-        return original(*args, **kwargs)
+    def recording(ran, work):
+        taken.append(ran is path)
+        return original(ran, work)
 
     monkeypatch.setattr(moe_layer_module, "choose_layer_path", lambda *args: PathChoice(path, "forced by the test"))
-    monkeypatch.setattr(f"tutel.impls.layer_paths.{function}", recording)
+    monkeypatch.setattr(layer_paths, "run", recording)
     return taken
 
 
 @pytest.fixture
 def static_path(monkeypatch):
-    return _force(monkeypatch, Path.STATIC_GROUPED, "forward_static_grouped")
+    return _force(monkeypatch, Path.STATIC_GROUPED)
 
 
 @pytest.mark.parametrize("expert_type", ["ffn", "llama_ffn"])
@@ -66,7 +65,7 @@ def test_static_grouped_path_matches_reference(static_path, expert_type, capacit
 def test_static_decode_path_matches_reference(monkeypatch, normalize_gate, experts, k, tokens):
     """Dropless inference through the decode operator (on CPU routed_gated_experts' implementation,
     on CUDA the decode kernels): output and l_aux equal the float64 reference."""
-    taken = _force(monkeypatch, Path.STATIC_DECODE, "forward_static_decode")
+    taken = _force(monkeypatch, Path.STATIC_DECODE)
     torch.manual_seed(experts + 10 * tokens + k)
     layer = make_layer(experts, k, 0.0, hidden=11, expert_type="llama_ffn", normalize_gate=normalize_gate)
     run_and_compare(layer, torch.randn(tokens, 10, dtype=torch.float64), top_k=k, capacity_factor=0.0,

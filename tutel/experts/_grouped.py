@@ -11,48 +11,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from ..rules.capacity import align_up
-
-
-def occupied_rows(dispatch_count: torch.Tensor, capacity: int, block: int) -> List[int]:
-    """Rows to compute per local expert: the load rounded up to `block`, at most `capacity`.
-
-    Reads the counts on the host (one synchronisation, by design: the shapes depend on them)."""
-    loads = dispatch_count.tolist()
-    return [min(align_up(int(load), block), capacity) for load in loads]
-
-
-def grouped_locations(crit, rows: List[int]) -> "tuple[torch.Tensor, torch.Tensor, int]":
-    """The routing of `crit` re-targeted at the grouped buffer.
-
-    Slot (e, l) becomes row ``offset[e] + l`` of one [N, M] buffer, described as a single
-    "expert" with capacity N = sum(rows), so the ordinary encode / decode operators fill and read
-    it.  Dropped choices (l >= capacity, or a negative expert index) get location N, which is
-    dropped as well.
-
-    Returns (indices [k, T] of zeros, locations [k, T], N)."""
-    num_experts, indices_s, locations_s, _, capacity, *_ = crit  # not crit[:5]: PyTorch 2.6's torch.compile fails on it
-    indices, locations = choice_table(indices_s), choice_table(locations_s)
-    total = sum(rows)
-    starts = torch.tensor([0] + rows[:-1], dtype=torch.int64, device=indices.device).cumsum(0)
-    grouped = (starts[indices.long().clamp(min=0)] + locations).to(torch.int32)
-    # A negative expert index (Tutel's "not dispatched") is dropped like a location >= capacity.
-    kept = (locations < capacity) & (indices >= 0)
-    grouped = torch.where(kept, grouped, torch.full_like(grouped, total))
-    return torch.zeros_like(indices), grouped, total
-
-
-def choice_table(choices) -> torch.Tensor:
-    """[k, T] from Tutel's list of k [T] tensors (or a [k, T] tensor).  The lists of
-    extract_critical are the rows of one [k, T] tensor (unbind): that tensor is used as it is."""
-    if not isinstance(choices, (list, tuple)):
-        return choices
-    base = choices[0]._base if len(choices) else None
-    if base is not None and base.dim() == 2 and base.shape[0] == len(choices) and all(
-            c._base is base and c.storage_offset() == base.storage_offset() + j * base.stride(0) and
-            c.shape[0] == base.shape[1] and c.stride(0) == base.stride(1) for j, c in enumerate(choices)):
-        return base
-    return torch.stack(list(choices))
+from ..paths.plans import occupied_rows
 
 
 def grouped_apply(x: torch.Tensor, rows: List[int],

@@ -125,7 +125,7 @@ class FusedExpertsNetwork(torch.nn.Module):
         return not self.skip_expert
 
     def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
-        """``(run, row_bytes)`` for the grouped path without autograd (tutel.impls.layer_paths):
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.paths):
         ``run(rows, plan)`` computes every grouped row's expert with the parameters in `dtype`;
         `row_bytes` is one row's hidden activations."""
         fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else widened(p, dtype) for p in self.weights_for(ctx))

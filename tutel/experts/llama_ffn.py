@@ -87,7 +87,7 @@ class LlamaFFNNetwork(torch.nn.Module):
         return self.activation_fn is F.silu
 
     def gated_weights(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.impls.layer_paths)."""
+        """(W1, W2, W3) in `dtype` for inference in one operator call (tutel.paths)."""
         return self._weights_in(ctx, dtype)
 
     def _weights_in(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,7 +96,7 @@ class LlamaFFNNetwork(torch.nn.Module):
         return w1, w2, w3
 
     def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
-        """``(run, row_bytes)`` for the grouped path without autograd (tutel.impls.layer_paths):
+        """``(run, row_bytes)`` for the grouped path without autograd (tutel.paths):
         ``run(rows, plan)`` computes every grouped row's expert with the weights in `dtype`;
         `row_bytes` is one row's gate and up intermediates."""
         w1, w2, w3 = self._weights_in(ctx, dtype)

@@ -36,223 +36,26 @@ expert, two launches), the grouped rows' copy, PyTorch's ``grouped_mm`` for the 
 with 16-byte aligned rows, where it has a kernel; tutel's tiled grouped kernels for other dtypes
 and odd feature sizes, which read the group ends on the device too), tutel's fused gated unit and
 the weighted combine; inference of up to 32 tokens is instead one call of tutel's ``decode_experts``
-(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  On CPU 16-bit data on a CPU without native 16-bit dot products is
-multiplied in float32 once experts average 32 rows or more (``tutel.ops.precision``); the result
-keeps x's dtype either way.  On CPU without autograd, gated experts (``gate``, no ``post_fn``) run in
-one call of tutel's ``routed_gated_experts`` operator.  ``tutel.rules.paths`` chooses among these.
+(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  On a CPU without
+native 16-bit dot products, 16-bit data is multiplied in float32 once experts average enough rows
+(``tutel.ops.precision``); the result keeps x's dtype either way.  On CPU without autograd, gated
+experts (``gate``, no ``post_fn``) run in one call of tutel's ``routed_gated_experts`` operator.
+``tutel.rules.paths`` chooses among these and ``tutel.paths`` runs them.
 """
-from typing import Callable, Dict, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-from .. import ops
-from .._extension import load_extension
-from ..rules.autocast import autocast_dtype
-from ..ops.backend import operators_for
-from ..ops.decode_experts import decode_experts, decode_experts_supported
-from ..ops.checks import accumulation_dtype, require_dim, require_floating, require_tensor
-from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit, gated_unit, unit_scalars
-from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm
+from ..ops.checks import require_dim, require_floating, require_tensor
+from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit
 from ..ops.precision import gemm_dtype, widened
-from ..ops.tracing import direct_call_allowed, is_compiling
-from ..rules.paths import EXPERTS, Path, choose_path
+from ..paths import WeightExperts, Work, run
+from ..paths.facts import experts_facts
+from ..rules.autocast import autocast_dtype
+from ..rules.paths import EXPERTS, choose_path
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
-
-
-class RoutingPlan(NamedTuple):
-    """The chosen (token, expert) pairs sorted by expert: slot i of the grouped rows holds
-    choice ``slot_choices[i]`` (= t * k + j); ``locations`` [k, T] gives each choice's slot (N =
-    dropped)."""
-    indices: Optional[torch.Tensor]  # None: the grouped rows form one "expert" (0) for encode / decode
-    locations: torch.Tensor  # [k, T] int32 slot of each choice, N for ids outside [0, E)
-    slot_choices: torch.Tensor  # [N] int64 choice held by each slot (the dropped ones last, in order)
-    sorted_ids: Optional[torch.Tensor]  # [N] expert of each slot (E for the dropped ones, which sort last)
-    counts: torch.Tensor  # [E] int64 rows per expert
-    offsets: torch.Tensor  # [E] int32 end of each expert's rows
-
-
-def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """Sorts the T*k choices by expert (stably, token-major; ids outside [0, E) last) with tutel's
-    ``group_by_expert`` operator: one counting pass on CPU, two launches with no host
-    synchronisation on CUDA (tensor operations elsewhere, tutel.ops.backend)."""
-    locations, slot_choices, sorted_ids, counts, ends = \
-        operators_for(expert_ids.device).group_by_expert(expert_ids, num_experts)
-    return RoutingPlan(None, locations, slot_choices, sorted_ids, counts, ends)
-
-
-class _ExpertsCall:
-    """The experts of one routed_experts call, applied to grouped rows.  (A plain class, not a
-    NamedTuple: PyTorch 2.6's torch.compile cannot call a method of a tuple that holds tensors.)"""
-
-    def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                 down_bias: Optional[torch.Tensor], transposed: bool, gate: Optional[GatedUnit],
-                 gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
-                 activation: Optional[Callable[[torch.Tensor], torch.Tensor]],
-                 post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]):
-        self.up_weight, self.down_weight, self.up_bias, self.down_bias = up_weight, down_weight, up_bias, down_bias
-        self.transposed, self.gate, self.gate_fn, self.activation, self.post_fn = \
-            transposed, gate, gate_fn, activation, post_fn
-
-    def __call__(self, rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        """[n, H] rows grouped as `plan` says -> [n, O] expert outputs (before the routing weights);
-        the rows past the kept ones hold anything (decode and the pieces read only the kept rows,
-        and their gradients flow back only into them).  The biases ride in the grouped products,
-        except a gated unit's up bias where the product would add it in a launch of its own
-        (beside grouped_mm, on devices): the unit's kernel adds it instead."""
-        unit_bias = self.up_bias if self.gate is not None and self.up_bias is not None and \
-            bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
-        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
-                                 self.up_bias if unit_bias is None else None, zero_tail=False)
-        if self.gate is not None:
-            hidden = gated_unit(hidden, self.gate, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
-                                offsets=None if unit_bias is None else plan.offsets)
-        elif self.gate_fn is not None:
-            hidden = self.gate_fn(hidden)
-        else:
-            hidden = self.activation(hidden)
-        if hidden.dtype != self.down_weight.dtype:
-            hidden = hidden.to(self.down_weight.dtype)
-        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
-                              zero_tail=False)
-        return out if self.post_fn is None else self.post_fn(out)
-
-
-# Without autograd on CPU the grouped rows go through the experts in pieces whose up projection
-# takes about this many bytes, each gathered from the tokens and added back into the result on
-# its own: no buffer spans all T*k rows, so memory stays bounded at any T (the operators'
-# buffers come from tutel's block cache, so reusing them costs no page faults).  Pieces of at
-# least _MIN_PIECE_ROWS rows leave each expert a few hundred rows per piece: with 8 MiB / 512-row
-# pieces the per-expert GEMMs were small enough to cost 1.1-1.4x at T=2048..8192 (fp32, 2-core
-# Zen 3, docs/performance.md's blocks).
-_PIECE_BYTES = 64 << 20
-_MIN_PIECE_ROWS = 4096
-
-
-def piece_rows(row_bytes: int) -> int:
-    """Grouped rows per piece when one row's up projection takes `row_bytes`."""
-    return max(_MIN_PIECE_ROWS, _PIECE_BYTES // max(1, row_bytes))
-
-
-def fits_one_call(rows: int) -> bool:
-    """Whether inference of `rows` grouped rows runs in one operator call (gated_experts_in_one_call):
-    up to the rows of the smallest piece, where the calls' fixed costs still matter."""
-    return rows <= _MIN_PIECE_ROWS
-
-
-def _piece_rows(up_weight: torch.Tensor, transposed: bool) -> int:
-    """Grouped rows per piece of routed_experts."""
-    width = up_weight.shape[2] if transposed else up_weight.shape[1]
-    return piece_rows(width * up_weight.element_size())
-
-
-def combine_without_grad(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan,
-                         products: Callable[[torch.Tensor, RoutingPlan], torch.Tensor], rows_per_piece: int
-                         ) -> torch.Tensor:
-    """The routing-weighted sum of every token's expert outputs, on CPU with nothing to differentiate.
-
-    ``products(rows, plan)`` maps [n, H] rows grouped by expert as `plan` says to their [n, O]
-    expert outputs; only the kept rows (ids inside [0, E), sorted first) run.  Up to
-    `rows_per_piece` of them are copied into grouped rows and combined by tutel's operators
-    directly (their arguments come from a plan of tutel's, so the checks and autograd wrappers of
-    tutel.ops, which cost more than a decoding step's rows, are skipped); more run in pieces
-    (_run_in_pieces).  Returns [T, O]: in the products' dtype, float32 for 16-bit ones in pieces."""
-    kept = int(plan.offsets[-1])  # the group ends, on the CPU: no synchronisation
-    if kept > rows_per_piece:
-        return _run_in_pieces(x, weights, plan, kept, rows_per_piece, products)
-    # Capacity `kept`: the dropped choices (slot N = T*k) stay out of the grouped rows.
-    rows = torch.ops.tutel.scatter_slots(x, plan.indices, plan.locations, None, None, 1, kept)[0]
-    out = products(rows.view(kept, x.shape[1]), _plan_piece(plan, 0, kept))
-    # The [T, k] weights read in place as [k, T], whatever their floating dtype.
-    gates = None if weights is None else weights.t()
-    return torch.ops.tutel.gather_slots(out.view(1, kept, out.shape[-1]), plan.indices, plan.locations, gates,
-                                        None)[0]
-
-
-def _run_in_pieces(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan, kept: int, piece: int,
-                   experts: Callable[[torch.Tensor, RoutingPlan], torch.Tensor]) -> torch.Tensor:
-    """The routed experts' weighted sum for every token, `piece` grouped rows at a time: each piece's
-    rows are gathered from `x`, and its outputs, times their routing weights, added into the
-    float32 (float64) result.  Only the `kept` rows (ids inside [0, E), sorted first) run."""
-    k = plan.locations.shape[0]
-    choices = plan.slot_choices[:kept]
-    tokens = torch.div(choices, k, rounding_mode="floor")
-    slot_weights = None if weights is None else weights.reshape(-1).index_select(0, choices)
-    y = None
-    for start in range(0, kept, piece):
-        end = min(kept, start + piece)
-        # tutel's select_rows: index_select into a reused buffer instead of fresh pages
-        part = experts(torch.ops.tutel.select_rows(x, tokens[start:end]), _plan_piece(plan, start, end))
-        if y is None:
-            y = torch.zeros((x.shape[0], part.shape[1]), dtype=accumulation_dtype(part.dtype), device=x.device)
-        part = part.to(y.dtype)
-        if slot_weights is not None:
-            part.mul_(slot_weights[start:end].to(y.dtype).unsqueeze(1))
-        y.index_add_(0, tokens[start:end], part)
-    return y
-
-
-def _plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
-    """The routing plan of grouped rows [start, end): group ends shifted and clipped to the piece
-    (the plan itself when the piece is every row)."""
-    if start == 0 and end == plan.slot_choices.shape[0]:
-        return plan
-    offsets = (plan.offsets - start).clamp(0, end - start)
-    return RoutingPlan(plan.indices, plan.locations, plan.slot_choices[start:end], plan.sorted_ids[start:end],
-                       plan.counts, offsets)
-
-
-# tutel::routed_gated_experts' CPU implementation bound directly (csrc/ops/cpu/routed_experts_cpu.cpp):
-# with the caches cold the dispatcher costs about 50 us per call, as much as the operator's own fixed work.
-routed_gated_experts_cpu = load_extension().routed_gated_experts
-
-
-def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                              up_weight: torch.Tensor, down_weight: torch.Tensor, *,
-                              gate_weight: Optional[torch.Tensor] = None, up_bias: Optional[torch.Tensor] = None,
-                              down_bias: Optional[torch.Tensor] = None, transposed: bool = False,
-                              unit: GatedUnit = SWIGLU_UNIT) -> torch.Tensor:
-    """routed_experts' result for gated experts on CPU without autograd, in one call of tutel's
-    ``routed_gated_experts`` operator: the steps of combine_without_grad with the gated unit, without
-    an operator call and its Python around each (at decoding sizes those cost a third of the
-    weights' streaming).
-
-    Args:
-        x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed: as for
-            routed_experts, every tensor on the CPU and the floating ones in x's dtype (biases are
-            converted); nothing may require a gradient.
-        gate_weight: the gates' own matrices, of up_weight's shape (then up_weight holds the ups
-            only, as in moe_layer's llama_ffn), or None for up_weight's [gate | up] halves.
-        unit: the gated unit (not interleaved with gate_weight).
-
-    Returns:
-        [T, O] in x's dtype."""
-    check_unit(unit, "tutel.experts.routed_experts")
-    up_bias, down_bias = (None if b is None else b.to(x.dtype) for b in (up_bias, down_bias))
-    tensors = (x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias)
-    operator = routed_gated_experts_cpu if direct_call_allowed(*tensors, gate_weight) \
-        else torch.ops.tutel.routed_gated_experts
-    return operator(*tensors, bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)
-
-
-def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                  up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                  down_bias: Optional[torch.Tensor], unit: Optional[GatedUnit],
-                  post_fn: Optional[Callable]) -> Dict[str, object]:
-    """The facts of a routed_experts call (tutel.rules.paths.FACTS) for its tensors as they will be
-    computed (after autocast and widening)."""
-    device = x.device.type
-    return {
-        "device": device if device in ("cpu", "cuda") else "other",
-        "gradient": torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weights, up_weight, down_weight, up_bias, down_bias)),
-        "traced": is_compiling(),
-        "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
-        "rows_fit_one_call": fits_one_call(expert_ids.numel()),
-        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device,
-                                                  experts=down_weight.shape[0]),
-    }
 
 
 def gate_unit_of(gate: Union[None, str, GatedUnit]) -> Optional[GatedUnit]:
@@ -355,19 +158,5 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
     unit = gate_unit_of(gate)
     path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
                                               unit, post_fn)).path
-    if path is Path.EXPERTS_ONE_CALL:
-        return gated_experts_in_one_call(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias,
-                                         down_bias=down_bias, transposed=transposed, unit=unit).to(out_dtype)
-    if path is Path.EXPERTS_DECODE:
-        return decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias=up_bias, down_bias=down_bias,
-                              transposed=transposed, unit=unit).to(out_dtype)
-    plan = plan_routing(expert_ids, up_weight.shape[0])
-    total = plan.locations.numel()
-    experts = _ExpertsCall(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
-    if path is Path.EXPERTS_PIECES:
-        return combine_without_grad(x, weights, plan, experts, _piece_rows(up_weight, transposed)).to(out_dtype)
-    rows = ops.encode_grouped(x, plan.slot_choices, plan.locations)
-    out = experts(rows, plan)
-    out = out.reshape(1, total, out.shape[-1])
-    y = ops.decode(out, plan.indices, plan.locations, gates=None if weights is None else weights.t())
-    return y.to(out_dtype)
+    experts = WeightExperts(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
+    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(out_dtype)

@@ -1,11 +1,14 @@
-"""moe_layer's routing of one call: gate logits -> Tutel's crit tuple and the auxiliary loss."""
-from typing import NamedTuple, Optional
+"""moe_layer's routing of one call, in the form its path takes (tutel.paths.table): Tutel's crit tuple
+and the auxiliary loss, route_experts' planned routing, or the one-pass routing of CPU inference."""
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..ops import direct
+from ..ops.route_experts import ExpertRouting, route_experts
 from ..rules.autocast import without_autocast
-from ..rules.capacity import capacity_alignment
+from ..rules.capacity import capacity_alignment, expert_capacity
 from . import losses
 from .call_settings import CallSettings
 from .fast_dispatch import CriticalData, route_critical
@@ -18,6 +21,15 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E] the gate's logits (before noise)
 
 
+class OnePassRouting(NamedTuple):
+    """route_in_one_pass's result."""
+    expert_ids: torch.Tensor      # [T, k] int32
+    weights: torch.Tensor         # [T, k] the routing weights
+    dispatch_count: torch.Tensor  # [E] int64 choices per expert, before the capacity
+    l_aux: torch.Tensor           # [] the GShard loss
+    logits: torch.Tensor          # [T, E] the gate's logits
+
+
 def gate_logits(layer, gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The gate's logits [T, E] for tokens x [T, M], checked against the layer's expert count."""
     logits = gate(x)
@@ -25,13 +37,6 @@ def gate_logits(layer, gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate returned logits of shape {tuple(logits.shape)}; expected "
                          f"[tokens, num_global_experts] = [{x.shape[0]}, {layer.num_global_experts}]")
     return logits
-
-
-def uses_tutel_routing(layer, gate: torch.nn.Module) -> bool:
-    """Softmax top-k routing with the GShard loss and no gate noise in this call (Tutel's default)."""
-    options = getattr(gate, "routing_options", None)
-    return layer.is_gshard_loss and (options is None or options.is_default) and \
-        not (layer.training and gate.gate_noise > 0)
 
 
 def route_call(layer, x: torch.Tensor, call: CallSettings, sequence_length: int,
@@ -70,3 +75,39 @@ def route_call(layer, x: torch.Tensor, call: CallSettings, sequence_length: int,
         crit, l_aux = route_critical(scores, call.top_k, loss_fn=loss_fn, normalize_gate=layer.normalize_gate,
                                      **routing)
         return Routing(crit, l_aux, logits)
+
+
+DROPLESS = -1
+
+
+def planned_capacity(layer, call: CallSettings, tokens: int) -> int:
+    """The call's static capacity per expert, or DROPLESS (-1) for capacity_factor = 0: both follow
+    from the shapes alone (a negative capacity_factor, capped at the largest load, does not)."""
+    if call.capacity_factor == 0:
+        return DROPLESS
+    alignment = capacity_alignment(layer.sharded_count, call.overlap, call.megablocks_size)
+    return expert_capacity(call.capacity_factor, call.top_k, tokens, layer.num_global_experts, alignment=alignment)
+
+
+def route_planned(layer, x: torch.Tensor, call: CallSettings) -> Tuple[torch.Tensor, ExpertRouting]:
+    """The gate's logits and Tutel's routing of them by tutel.ops.route_experts (top-k, weights,
+    slots, the grouped buffer's plan and the GShard loss, with no host synchronisation) at the
+    call's planned capacity: every size follows from the shapes, so CUDA graphs capture it."""
+    with without_autocast(x.device.type):
+        logits = gate_logits(layer, call.gate, x)
+    top_k = call.top_k
+    return logits, route_experts(logits, top_k, renormalize=top_k > 1 and layer.normalize_gate,
+                                 batch_prioritized=layer.batch_prioritized_routing,
+                                 capacity=planned_capacity(layer, call, x.shape[0]), with_loss=True)
+
+
+def route_in_one_pass(layer, x: torch.Tensor, call: CallSettings) -> OnePassRouting:
+    """CPU inference of Tutel's routing in one C++ pass (tutel.ops.direct.route_without_grad): the
+    [T, k] choices and weights, the counts and the GShard loss, with the general routing's rounding
+    (csrc/ops/cpu/routing_cpu.cpp); the gate's logits are computed as usual."""
+    top_k = call.top_k
+    logits = gate_logits(layer, call.gate, x)
+    expert_ids, weights, dispatch_count, l_aux = direct.route_without_grad(
+        F.softmax(logits, dim=1), top_k, top_k > 1 and layer.normalize_gate,
+        planned_capacity(layer, call, x.shape[0]), layer.batch_prioritized_routing)
+    return OnePassRouting(expert_ids, weights, dispatch_count, l_aux, logits)

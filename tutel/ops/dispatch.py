@@ -118,7 +118,15 @@ def _prepare_gates(gates, locations: torch.Tensor, data: torch.Tensor, where: st
         raise ValueError(f"{where}: `gates` must have shape [k, tokens] = {tuple(locations.shape)}, "
                          f"got {tuple(gates.shape)}")
     same_device(data, gates, "gates", where)
-    return gates if gates.dtype in FLOATING_DTYPES else gates.to(accumulation_dtype(data.dtype))
+    return _readable(gates, data)
+
+
+def _readable(gates: Optional[torch.Tensor], data: torch.Tensor) -> Optional[torch.Tensor]:
+    """Gates the operators read as they are (float32 / float64 / bfloat16 / float16, any strides);
+    other floating dtypes in the data's accumulation dtype."""
+    if gates is None or gates.dtype in FLOATING_DTYPES:
+        return gates
+    return gates.to(accumulation_dtype(data.dtype))
 
 
 def _prepare_table(indices, locations, data: torch.Tensor, where: str
@@ -191,3 +199,18 @@ def decode(y: torch.Tensor, indices, locations, gates=None) -> torch.Tensor:
     indices, locations = _prepare_table(indices, locations, y, where)
     weights = _prepare_gates(gates, locations, y, where)
     return _Decode.apply(y, indices, locations, weights)
+
+
+def encode_planned(x: torch.Tensor, indices: Optional[torch.Tensor], locations: torch.Tensor, num_experts: int,
+                   capacity: int, gates: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``encode`` for the tables of tutel's own routing, which need none of its checks: `indices`
+    (or None) and `locations` int32 [k, T] on x's device, `gates` None or a floating [k, T] tensor
+    there.  The execution paths call it once per call, where the checks would cost more Python than
+    the rest of a small call."""
+    return _Encode.apply(x, indices, locations, _readable(gates, x), num_experts, capacity)
+
+
+def decode_planned(y: torch.Tensor, indices: Optional[torch.Tensor], locations: torch.Tensor,
+                   gates: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``decode`` of an [E, C, M] buffer for the tables of tutel's own routing (see encode_planned)."""
+    return _Decode.apply(y, indices, locations, _readable(gates, y))

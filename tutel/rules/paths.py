@@ -13,13 +13,15 @@ tokens come routed).
 from enum import Enum
 from typing import Dict, Mapping, NamedTuple, Tuple, Union
 
+import torch
+
 LAYER = "layer"
 EXPERTS = "experts"
 ENTRIES = (LAYER, EXPERTS)
 
 
 class Path(str, Enum):
-    """The execution paths (tutel.impls.layer_paths runs the layer's, tutel.experts.routed the experts')."""
+    """The execution paths (tutel.paths.table gives each one its routing and stages)."""
 
     EXPERT_PARALLEL = "expert_parallel"      # [E, C, M] buffers exchanged between the processes
     STATIC_DECODE = "static_decode"          # route_experts, then decode_experts (CUDA kernels, no autograd)
@@ -122,13 +124,35 @@ RULES: Tuple[Rule, ...] = (
 )
 
 
-def choose_path(entry: str, facts: Mapping[str, FactValue]) -> PathChoice:
-    """The path of a call of `entry` ("layer" or "experts") described by `facts` (names from FACTS;
-    a fact a rule needs but `facts` lacks counts as not holding), with the reason."""
+def _first_rule(entry: str, facts: Mapping[str, FactValue]) -> PathChoice:
     for rule in RULES:
         if rule.entry == entry and all(facts.get(fact) in allowed for fact, allowed in rule.when):
             return PathChoice(rule.path, rule.reason)
     raise ValueError(f"choose_path: entry must be one of {ENTRIES}, got {entry!r}")
+
+
+# The answers so far, by the call's facts, for the rules they came from: a handful of fact
+# combinations recur call after call, and looking one up costs one tuple and one dict probe where
+# trying the rules costs a generator each.
+_ANSWERS: Dict[Tuple[object, ...], PathChoice] = {}
+_ANSWERED_RULES = RULES
+_FACT_NAMES = tuple(FACTS)
+
+
+def choose_path(entry: str, facts: Mapping[str, FactValue]) -> PathChoice:
+    """The path of a call of `entry` ("layer" or "experts") described by `facts` (names from FACTS;
+    a fact a rule needs but `facts` lacks counts as not holding), with the reason."""
+    global _ANSWERED_RULES
+    if torch.compiler.is_compiling():  # traced: the rules themselves, no global state to guard on
+        return _first_rule(entry, facts)
+    if RULES is not _ANSWERED_RULES:  # the rules were replaced (a test, a user's own table)
+        _ANSWERS.clear()
+        _ANSWERED_RULES = RULES
+    key = (entry, *map(facts.get, _FACT_NAMES))
+    choice = _ANSWERS.get(key)
+    if choice is None:
+        choice = _ANSWERS[key] = _first_rule(entry, facts)
+    return choice
 
 
 def _describe(value: FactValue) -> str:

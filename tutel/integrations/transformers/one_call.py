@@ -2,9 +2,8 @@
 
 Decoding a token costs about the time it takes to stream the chosen experts' weights, and the
 caches are cold by then (each layer's weights pushed the last layer's code and data out).  Cold,
-every Python statement and operator call costs microseconds: reading the module's layout,
-checking the arguments, choosing the path and the dispatcher took about 0.25 ms per call, a
-quarter of a DeepSeek-like layer's decoding step on a 2-core CPU.
+every Python statement and operator call costs a visible share of a decoding step: reading the
+module's layout, checking the arguments, choosing the path and the dispatcher among them.
 
 Here a module's layout is read once and kept together with the objects it was read from (the
 class, flags, parameters, activation); a later call whose module still holds the same objects
@@ -18,11 +17,13 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ...experts.routed import fits_one_call, gate_unit_of, routed_gated_experts_cpu
-from ...rules.autocast import autocast_dtype
-from ...ops.gated_units import check_unit, unit_scalars
+from ...experts.routed import gate_unit_of
+from ...ops.direct import routed_gated_experts_cpu
+from ...ops.gated_units import GatedUnit, check_unit, unit_scalars
 from ...ops.precision import gemm_dtype
 from ...ops.tracing import direct_call_allowed, is_compiling
+from ...paths.facts import experts_facts
+from ...rules.autocast import autocast_dtype
 from ...rules.paths import EXPERTS, Path, choose_path
 from .layout import read_layout
 
@@ -39,6 +40,7 @@ class _OneCall(NamedTuple):
     (a cached layout must not keep replaced weights alive)."""
     tensors: Tuple[Optional[weakref.ref], ...]  # up_weight, down_weight, up_bias, down_bias
     transposed: bool
+    unit: GatedUnit
     unit_arguments: tuple  # (alpha, up_offset, limit, interleaved)
 
 
@@ -95,7 +97,7 @@ def _read(module: torch.nn.Module, entry: _Entry) -> Optional[_OneCall]:
            for name in _SCALARS_AND_FUNCTIONS):
         return None
     return _OneCall(tuple(None if t is None else weakref.ref(t, entry.forget) for t in tensors),
-                    bool(layout.transposed), unit_scalars(unit) + (bool(unit.interleaved),))
+                    bool(layout.transposed), unit, unit_scalars(unit) + (bool(unit.interleaved),))
 
 
 def _one_call_of(module: torch.nn.Module) -> Optional[_OneCall]:
@@ -147,10 +149,7 @@ def one_call_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k
         return None
     # The chooser's facts for this call (the checks above are the direct call's own conditions: plain
     # CPU tensors, no autocast, the weights in the tokens' dtype); the path is the chooser's to pick.
-    facts = {"device": "cpu", "traced": False, "gated_experts": True,
-             "rows_fit_one_call": fits_one_call(top_k_index.numel()),
-             "gradient": torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                         for t in tensors + (hidden_states, top_k_weights))}
+    facts = experts_facts(hidden_states, top_k_index, top_k_weights, *tensors, one_call.unit, None)
     if choose_path(EXPERTS, facts).path is not Path.EXPERTS_ONE_CALL:
         return None
     try:

@@ -1,0 +1,79 @@
+"""The facts of a call (tutel.rules.paths.FACTS), built here and nowhere else: for moe_layer's calls
+(``layer_facts``) and for routed experts' (``experts_facts``), which transformers' "tutel" experts
+make too."""
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..ops.decode_experts import decode_experts_supported
+from ..ops.gated_units import GatedUnit
+from ..ops.tracing import direct_call_allowed, is_compiling
+from ..rules.autocast import autocast_dtype
+from .experts_pieces import fits_one_call
+
+
+def device_kind(x: torch.Tensor) -> str:
+    """`cpu`, `cuda` or `other`: the device fact."""
+    kind = x.device.type
+    return kind if kind in ("cpu", "cuda") else "other"
+
+
+def records_gradient(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether autograd records a call of `layer`: grad mode on and the tokens or a parameter require grad."""
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or any(p.requires_grad for p in layer.parameters())
+
+
+def uses_tutel_routing(layer: torch.nn.Module, gate: torch.nn.Module) -> bool:
+    """Softmax top-k routing with the GShard loss and no gate noise in this call (Tutel's default)."""
+    options = getattr(gate, "routing_options", None)
+    return layer.is_gshard_loss and (options is None or options.is_default) and \
+        not (layer.training and gate.gate_noise > 0)
+
+
+def layer_facts(layer: torch.nn.Module, x: torch.Tensor, call, reserve_dims: int) -> Dict[str, object]:
+    """The facts of a call of moe_layer `layer` on tokens x [T, M] with the call's resolved switches
+    `call` (tutel.impls.call_settings.CallSettings)."""
+    experts = layer.experts
+    if call.capacity_factor > 0:
+        capacity = "static"
+    else:
+        capacity = "dropless" if call.capacity_factor == 0 else "capped"
+    return {
+        "device": device_kind(x),
+        "gradient": records_gradient(layer, x),
+        "plain": not is_compiling() and direct_call_allowed(x),
+        "traced": is_compiling(),
+        "autocast": autocast_dtype(x.device.type) is not None,
+        "processes": "several" if layer.world_size > 1 else "one",
+        "layout": "grouped" if call.megablocks_size > 0 else "padded",
+        "capacity": capacity,
+        "tutel_routing": uses_tutel_routing(layer, call.gate),
+        "gate_at_combine": layer.is_postscore,
+        "token_dims": "one" if reserve_dims == 1 else "several",
+        "gated_experts": bool(getattr(experts, "offers_gated_weights", False)),
+        "experts_in_pieces": bool(getattr(experts, "offers_grouped_products", False)),
+        "experts_grouped": callable(getattr(experts, "forward_grouped", None)),
+        "rows_fit_one_call": fits_one_call(x.shape[0] * call.top_k),
+        "decode_kernel": decode_experts_supported(x.shape[0], call.top_k, x.dtype, x.device,
+                                                  experts=layer.num_global_experts),
+    }
+
+
+def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                  up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                  down_bias: Optional[torch.Tensor], unit: Optional[GatedUnit],
+                  post_fn: Optional[Callable]) -> Dict[str, object]:
+    """The facts of a routed experts call for its tensors as they will be computed (after autocast
+    and widening)."""
+    return {
+        "device": device_kind(x),
+        "gradient": torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weights, up_weight, down_weight, up_bias, down_bias)),
+        "traced": is_compiling(),
+        "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
+        "rows_fit_one_call": fits_one_call(expert_ids.numel()),
+        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device,
+                                                  experts=down_weight.shape[0]),
+    }

@@ -1,0 +1,41 @@
+"""Finalize stages: the experts' outputs back in token order, weighted by the routing."""
+from ..ops.dispatch import decode_planned
+from .plans import choice_table
+from .work import Work
+
+
+def in_experts(work: Work) -> None:
+    """The experts stage combined the outputs itself (a fused operator, or the pieces)."""
+
+
+def _combine_gates(work: Work):
+    """The routing weights as the combine takes them ([k, T], or Tutel's k lists), or None where they
+    applied at the encode or are all 1."""
+    if not work.at_combine:
+        return None
+    if work.crit is not None:
+        return choice_table(work.crit.gates_s)
+    if work.routing is not None:
+        return work.routing.weights
+    return None if work.weights is None else work.weights.t()
+
+
+def grouped_combine(work: Work) -> None:
+    """Each token's rows of the grouped outputs, weighted and summed (tutel.ops.decode on the
+    grouped buffer as one "expert")."""
+    out, plan = work.out, work.plan
+    work.y = decode_planned(out.reshape(1, out.shape[-2], out.shape[-1]), plan.indices, plan.locations,
+                            _combine_gates(work))
+
+
+def occupied_combine(work: Work) -> None:
+    """megablocks: each token's occupied rows, weighted and summed."""
+    indices, locations, _ = work.plan
+    work.y = decode_planned(work.out, indices, locations, _combine_gates(work))
+
+
+def slots_combine(work: Work) -> None:
+    """Tutel's [E, C, O] slot buffer back to the tokens."""
+    crit = work.crit
+    work.y = decode_planned(work.out, choice_table(crit.indices_s), choice_table(crit.locations_s),
+                            _combine_gates(work))

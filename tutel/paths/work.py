@@ -1,0 +1,133 @@
+"""One call's arguments and what its stages hand each other (the ``Work`` a path runs on), and the
+experts a call computes with (``WeightExperts``: tensors given to routed_experts; ``ModuleExperts``:
+moe_layer's experts module with the call's context)."""
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ..ops.gated_units import SWIGLU, GatedUnit, gated_unit
+from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm
+
+
+class GatedWeights(NamedTuple):
+    """The matrices of gated experts as the one-call and decode operators take them."""
+    up_weight: torch.Tensor             # [E, U, H] (or [E, H, U] transposed); the ups only with gate_weight
+    down_weight: torch.Tensor           # [E, O, I] (or [E, I, O])
+    gate_weight: Optional[torch.Tensor]  # the gates' own matrices, of up_weight's shape, or None
+    up_bias: Optional[torch.Tensor]
+    down_bias: Optional[torch.Tensor]
+    transposed: bool
+    unit: GatedUnit
+
+
+class GroupedProducts:
+    """Experts given as tensors, applied to grouped rows: ``products(rows, plan)`` -> [n, O] outputs
+    before the routing weights.  (A plain class, not a NamedTuple: PyTorch 2.6's torch.compile
+    cannot call a method of a tuple that holds tensors.)"""
+
+    def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                 down_bias: Optional[torch.Tensor], transposed: bool, gate: Optional[GatedUnit],
+                 gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                 activation: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                 post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]):
+        self.up_weight, self.down_weight, self.up_bias, self.down_bias = up_weight, down_weight, up_bias, down_bias
+        self.transposed, self.gate, self.gate_fn, self.activation, self.post_fn = \
+            transposed, gate, gate_fn, activation, post_fn
+
+    def __call__(self, rows: torch.Tensor, plan) -> torch.Tensor:
+        """[n, H] rows grouped as `plan` (tutel.paths.plans.RoutingPlan) says -> [n, O] expert
+        outputs; the rows past the kept ones hold anything (the combine and the pieces read only
+        the kept rows, and their gradients flow back only into them).  The biases ride in the
+        grouped products, except a gated unit's up bias where the product would add it in a launch
+        of its own (beside grouped_mm, on devices): the unit's kernel adds it instead."""
+        unit_bias = self.up_bias if self.gate is not None and self.up_bias is not None and \
+            bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
+        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
+                                 self.up_bias if unit_bias is None else None, zero_tail=False)
+        if self.gate is not None:
+            hidden = gated_unit(hidden, self.gate, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
+                                offsets=None if unit_bias is None else plan.offsets)
+        elif self.gate_fn is not None:
+            hidden = self.gate_fn(hidden)
+        else:
+            hidden = self.activation(hidden)
+        if hidden.dtype != self.down_weight.dtype:
+            hidden = hidden.to(self.down_weight.dtype)
+        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
+                              zero_tail=False)
+        return out if self.post_fn is None else self.post_fn(out)
+
+
+class WeightExperts:
+    """routed_experts' experts: the weight tensors and the rule between the two products."""
+
+    def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                 down_bias: Optional[torch.Tensor], transposed: bool, unit: Optional[GatedUnit],
+                 gate_fn: Optional[Callable], activation: Optional[Callable], post_fn: Optional[Callable]):
+        self.num_experts = up_weight.shape[0]
+        self.products = GroupedProducts(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn,
+                                        activation, post_fn)
+
+    def gated(self, dtype: torch.dtype) -> GatedWeights:
+        """The gated experts' matrices (already in the call's dtype)."""
+        p = self.products
+        return GatedWeights(p.up_weight, p.down_weight, None, p.up_bias, p.down_bias, p.transposed, p.gate)
+
+    def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """``(products, row_bytes)``: the experts on grouped rows, and one row's up projection in bytes."""
+        up = self.products.up_weight
+        width = up.shape[2] if self.products.transposed else up.shape[1]
+        return self.products, width * up.element_size()
+
+
+class ModuleExperts:
+    """moe_layer's experts module for one call: `ctx` is the call's context (tutel.impls.call_context)."""
+
+    def __init__(self, layer: torch.nn.Module, ctx: Any, reserve_shape: Sequence[int]):
+        self.layer, self.ctx, self.reserve_shape = layer, ctx, reserve_shape
+        self.num_experts = layer.num_global_experts
+
+    def gated(self, dtype: torch.dtype) -> GatedWeights:
+        """The SwiGLU experts' three matrices in `dtype` ([E, H, I] each, the gates' apart)."""
+        gate_w, up_w, down_w = self.layer.experts.gated_weights(self.ctx, dtype)
+        return GatedWeights(up_w, down_w, gate_w, None, None, True, SWIGLU)
+
+    def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """The module's ``grouped_products(ctx, dtype)``: ``(products, row_bytes)``."""
+        return self.layer.experts.grouped_products(self.ctx, dtype)
+
+    def padded(self, slots: torch.Tensor) -> torch.Tensor:
+        """The local experts on an [L, C, M] slot buffer -> [L, C, *features]."""
+        return self.layer.run_local_experts(slots, self.reserve_shape, self.ctx)
+
+    def grouped(self, rows: torch.Tensor, group_rows: Sequence[int]) -> torch.Tensor:
+        """The module's ``forward_grouped`` on [N, M] rows grouped by expert (group_rows[e] each)."""
+        return self.layer.experts.forward_grouped(rows.view(rows.shape[0], *self.reserve_shape), group_rows,
+                                                  self.ctx)
+
+
+class Work:
+    """One call of a path: what the caller gives (the tokens, the routing, the experts, the switches
+    the stages read) and what the stages hand each other (the plan, the rows, the outputs).  A
+    path's prepare, experts and finalize stages read and set its attributes in turn; ``y`` is the
+    call's [T, O] result."""
+
+    def __init__(self, x: torch.Tensor, experts, *, expert_ids: Optional[torch.Tensor] = None,
+                 weights: Optional[torch.Tensor] = None, crit: Any = None, routing: Any = None,
+                 at_combine: bool = True, dropless: bool = False, megablocks_size: int = 0):
+        # attribute by attribute (a class, not a tuple): torch.compile traces every path through it
+        self.x = x                    # [T, H] tokens in the compute dtype
+        self.experts = experts        # WeightExperts or ModuleExperts
+        self.expert_ids = expert_ids  # [T, k] chosen experts (ids outside [0, E) contribute nothing)
+        self.weights = weights        # [T, k] routing weights, or None for 1
+        self.crit = crit              # Tutel's crit tuple (the layer's routing), or None
+        self.routing = routing        # tutel.ops.route_experts.ExpertRouting (planned paths), or None
+        self.at_combine = at_combine  # the weights apply at the combine (else at the encode)
+        self.dropless = dropless
+        self.megablocks_size = megablocks_size
+        self.dtype = x.dtype          # the products' dtype (a CPU without 16-bit dot products widens)
+        self.plan = None
+        self.rows: Optional[torch.Tensor] = None
+        self.out: Optional[torch.Tensor] = None
+        self.y: Optional[torch.Tensor] = None
+        self.features: Tuple[int, ...] = ()
