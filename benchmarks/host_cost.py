@@ -37,12 +37,11 @@ over interleaved rounds, every candidate of a case once per round in shuffled or
 per call of a batch of calls.  Tutel 0.3.3 cannot be traced on fake CUDA: its first call compiles
 its kernels through the CUDA driver.
 
-    python benchmarks/host_cost.py --tutel-reference DIR/tutel-0.3.3 [--breakdown 20] [--write]
+    python benchmarks/host_cost.py --tutel-reference DIR/tutel-0.3.3 [--breakdown 20]
     python benchmarks/host_cost.py --quick          # a check that it runs (few repetitions)
 
---write puts the table into docs/performance.md between the markers <!-- host-cost --> and
-<!-- /host-cost --> (appended with them where absent).  The JSON goes to
-benchmarks/results/host_cost.json (--out).
+The JSON goes to benchmarks/results/host_cost.json (--out), from which benchmarks/report.py writes
+the table into docs/performance.md.
 """
 import argparse
 import contextlib
@@ -70,8 +69,6 @@ from host_calls import (CallCount, count_calls_under, fake_cuda, shape_function_
                         tutel_package_dir)
 
 ROOT = os.path.dirname(HERE)
-DOC = os.path.join(ROOT, "docs", "performance.md")
-MARKERS = ("<!-- host-cost -->", "<!-- /host-cost -->")
 REFERENCE = "Tutel 0.3.3"
 REFERENCE_MODULE = "tutel_reference"
 TRANSFORMERS_BACKENDS = ("eager", "batched_mm", "grouped_mm")
@@ -438,30 +435,6 @@ def breakdowns(rows: List[Dict[str, object]], limit: int) -> str:
     return "\n\n".join(blocks)
 
 
-def section(rows: List[Dict[str, object]], threads: int, reference: Reference) -> str:
-    """The markdown written between the markers."""
-    ref = "built beside (commit 82af7aa)" if reference.moe is not None else reference.reason
-    return (f"Host cost per forward (`python benchmarks/host_cost.py`, {time.strftime('%Y-%m-%d')}, torch "
-            f"{torch.__version__}, {threads} thread(s)); {REFERENCE}: {ref}.  `package calls`: Python calls inside "
-            "the candidate's package files (tutel's; Tutel 0.3.3's for it); `shape fns`: of those, tutel's shape "
-            "functions, which run on fake tensors only; `us/call`: CPU, median of interleaved rounds.\n\n"
-            + table(rows))
-
-
-def write_doc(doc: str, text: str) -> None:
-    """Puts `text` between the host-cost markers of `doc`, or appends it with the markers."""
-    start, end = MARKERS
-    existing = open(doc).read() if os.path.exists(doc) else ""
-    block = f"{start}\n{text}\n{end}"
-    if start in existing and end in existing.split(start, 1)[1]:
-        before, rest = existing.split(start, 1)
-        updated = before + block + rest.split(end, 1)[1]
-    else:
-        updated = existing.rstrip("\n") + ("\n\n" if existing else "") + "## Host cost per call\n\n" + block + "\n"
-    with open(doc, "w") as handle:
-        handle.write(updated)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     """Measures every case; prints the table (and, with --breakdown N, each count's N most called
     functions); writes the JSON and, with --write, the table into the doc.  Returns the result."""
@@ -474,8 +447,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     parser.add_argument("--breakdown", type=int, default=0, help="print each count's N most called functions")
     parser.add_argument("--only", default=None, help="cases whose name contains this text")
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for host_cost.json")
-    parser.add_argument("--write", action="store_true", help="put the table into --doc between the host-cost markers")
-    parser.add_argument("--doc", default=DOC, help="the page --write updates (default docs/performance.md)")
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 41)
     torch.set_num_threads(args.threads)
@@ -493,13 +464,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     if args.breakdown:
         print()
         print(breakdowns(rows, args.breakdown))
-    result = {"rows": rows, "columns": COLUMNS, "reps": reps, "threads": args.threads,
+    result = {"rows": rows, "columns": COLUMNS, "reps": reps, "threads": args.threads, "torch": torch.__version__,
               "reference": reference.reason or f"{REFERENCE} from {args.tutel_reference}",
               "command": " ".join(["python benchmarks/host_cost.py"] + list(sys.argv[1:] if argv is None else argv))}
     write_result(args.out, "host_cost", result, smoke=args.quick)
-    if args.write:
-        write_doc(args.doc, section(rows, args.threads, reference))
-        print(f"wrote the table into {args.doc}", file=sys.stderr)
     return result
 
 

@@ -24,7 +24,7 @@ MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distribut
 FRAMEWORK_BENCHMARKS = ("transformers_moe", "transformers_moe_16bit_large", "transformers_moe_full_size")
 KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
 # optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
-CHANGE_BENCHMARKS = ("compare_builds",)
+CHANGE_BENCHMARKS = ("compare_builds", "host_cost")
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
 GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels", "decode_line_cuda")
 
@@ -940,6 +940,20 @@ def compare_builds_section(result: dict) -> str:
                                   "spread after"]))
 
 
+def host_cost_section(result: dict) -> str:
+    """The Python calls and the time of one warm call at tiny sizes (benchmarks/host_cost.py)."""
+    return ("## Host cost per call\n\n"
+            f"`{result['command']}` (finished {result['finished']}, torch {result['torch']}, {result['threads']} "
+            f"thread(s), {result['reps']} interleaved rounds; Tutel 0.3.3: {result['reference']}).  `package calls`: "
+            "Python calls inside the candidate's own package files per warm forward (cProfile; tutel's, or Tutel "
+            "0.3.3's for it), the count tests/python/test_host_cost.py holds; `shape fns`: of those, tutel's shape "
+            "functions, which run on fake tensors only (a GPU runs kernels there); on fake CUDA only the counts mean "
+            "anything.  Sizes: 256 features, 128 per expert, 32 experts, bfloat16; the tiny eval row: 16 features, 4 "
+            "experts, fp32, one thread.  Targets: transformers experts <= 30 calls on CUDA at any T, moe_layer <= 60, "
+            "the experts call no slower than batched_mm's, the tiny moe_layer forward <= 0.6x Tutel 0.3.3's.\n\n"
+            + format_table(result["rows"], result["columns"]))
+
+
 def transformers_section(result: dict, picture: str = "") -> str:
     m, limits = result["machine"], result["limits"]
     rates = gemm_rates(limits)
@@ -1189,6 +1203,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
     parts.append(DESIGN_MEASUREMENTS)
     if results.get("compare_builds"):
         parts.append(compare_builds_section(results["compare_builds"]))
+    if results.get("host_cost"):
+        parts.append(host_cost_section(results["host_cost"]))
     if any(results.get(name) for name in GPU_BENCHMARKS):
         parts.append(gpu_section(results))
     parts.append(NOTES)

@@ -128,7 +128,10 @@ class FusedExpertsNetwork(torch.nn.Module):
         """``(run, row_bytes)`` for the grouped path without autograd (tutel.paths):
         ``run(rows, plan)`` computes every grouped row's expert with the parameters in `dtype`;
         `row_bytes` is one row's hidden activations."""
-        fc1_w, fc2_w, fc1_b, fc2_b = (None if p is None else widened(p, dtype) for p in self.weights_for(ctx))
+        fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
+        fc1_w, fc2_w = widened(fc1_w, dtype), widened(fc2_w, dtype)
+        fc1_b = None if fc1_b is None else widened(fc1_b, dtype)
+        fc2_b = None if fc2_b is None else widened(fc2_b, dtype)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
             # Only the plan's kept rows are read back (zero_tail=False).

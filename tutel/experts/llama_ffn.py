@@ -92,8 +92,8 @@ class LlamaFFNNetwork(torch.nn.Module):
 
     def _weights_in(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The call's three weights in `dtype` (tutel.ops.precision.widened)."""
-        w1, w2, w3 = (widened(w, dtype) for w in self.full_weights(ctx))
-        return w1, w2, w3
+        w1, w2, w3 = self.full_weights(ctx)
+        return widened(w1, dtype), widened(w2, dtype), widened(w3, dtype)
 
     def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(run, row_bytes)`` for the grouped path without autograd (tutel.paths):

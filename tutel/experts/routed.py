@@ -47,11 +47,11 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..ops.checks import require_dim, require_floating, require_tensor
-from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit
+from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit
 from ..ops.precision import gemm_dtype, widened
 from ..paths import WeightExperts, Work, run
 from ..paths.facts import experts_facts
-from ..rules.autocast import autocast_dtype
+from ..rules.autocast import any_autocast, autocast_dtype
 from ..rules.paths import EXPERTS, choose_path
 
 SWIGLU = "swiglu"
@@ -145,18 +145,30 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         [T, O] in x's dtype.
     """
     _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn, activation)
+    unit = gate_unit_of(gate)
+    if unit is not None:
+        check_unit(unit, "tutel.experts.routed_experts")
+    experts = WeightExperts(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
+    return run_routed(x, expert_ids, weights, experts)
+
+
+def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+               experts: WeightExperts) -> torch.Tensor:
+    """routed_experts on arguments its checks passed (transformers' "tutel" experts check a module's
+    tensors once, when they first see them, and each call's own tensors).  Returns [T, O] in x's
+    dtype."""
     out_dtype = x.dtype
-    compute = autocast_dtype(x.device.type)
+    up = experts.up_weight
+    compute = autocast_dtype(x.device.type) if any_autocast() else None
     if compute is not None:  # grouped_mm is not autocast-aware: cast as autocast does for mm
         x, up_weight, down_weight = (t if t.dtype in (compute, torch.float64) else t.to(compute)
-                                     for t in (x, up_weight, down_weight))
-    elif up_weight.dtype != x.dtype:
-        x = x.to(up_weight.dtype)
-    wide = gemm_dtype(up_weight.dtype, x.device, expert_ids.numel() / up_weight.shape[0])
-    if wide != up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
-        x, up_weight, down_weight = (widened(t, wide) for t in (x, up_weight, down_weight))
-    unit = gate_unit_of(gate)
-    path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
-                                              unit, post_fn)).path
-    experts = WeightExperts(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn, activation, post_fn)
+                                     for t in (x, up, experts.down_weight))
+        experts = experts.with_weights(up_weight, down_weight)
+    elif up.dtype != x.dtype:
+        x = x.to(up.dtype)
+    wide = gemm_dtype(experts.up_weight.dtype, x.device, expert_ids.numel() / experts.num_experts)
+    if wide != experts.up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
+        x = widened(x, wide)
+        experts = experts.with_weights(widened(experts.up_weight, wide), widened(experts.down_weight, wide))
+    path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
     return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(out_dtype)

@@ -118,8 +118,8 @@ def route_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable]
         logger.info("Capacity = %d, real-time capacity-factor for top-%d = %s", capacity, top_k,
                     realtime_capacity_factor(capacity, top_k, num_tokens, num_experts))
 
-    crit = CriticalData(num_experts, choice_rows(routing.indices), choice_rows(routing.locations),
-                        choice_rows(gates), capacity, dispatch_count)
+    crit = CriticalData(num_experts, *choice_rows(routing.indices, routing.locations, gates), capacity,
+                        dispatch_count)
     return crit, l_aux
 
 

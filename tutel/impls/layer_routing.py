@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import direct
-from ..ops.route_experts import ExpertRouting, route_experts
+from ..ops.route_experts import ExpertRouting, route_experts_softmax
 from ..rules.autocast import without_autocast
 from ..rules.capacity import capacity_alignment, expert_capacity
 from . import losses
@@ -96,9 +96,9 @@ def route_planned(layer, x: torch.Tensor, call: CallSettings) -> Tuple[torch.Ten
     with without_autocast(x.device.type):
         logits = gate_logits(layer, call.gate, x)
     top_k = call.top_k
-    return logits, route_experts(logits, top_k, renormalize=top_k > 1 and layer.normalize_gate,
-                                 batch_prioritized=layer.batch_prioritized_routing,
-                                 capacity=planned_capacity(layer, call, x.shape[0]), with_loss=True)
+    return logits, route_experts_softmax(logits, top_k, top_k > 1 and layer.normalize_gate,
+                                         bool(layer.batch_prioritized_routing),
+                                         planned_capacity(layer, call, x.shape[0]))
 
 
 def route_in_one_pass(layer, x: torch.Tensor, call: CallSettings) -> OnePassRouting:

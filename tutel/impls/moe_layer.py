@@ -13,7 +13,7 @@ import torch
 from ..collectives import get_world_size
 from ..experts.shared import pop_shared_experts
 from ..ops.checks import require_int
-from ..rules.autocast import autocast_dtype
+from ..rules.autocast import any_autocast, autocast_dtype
 from ..rules.paths import PathChoice
 from ..rules.placement import Placement, global_expert_count, local_expert_count, pop_local_expert_count
 from .call_context import LayerResult
@@ -83,11 +83,11 @@ class MOELayer(torch.nn.Module):
         self.world_size = get_world_size(self.group)
 
         self.num_local_experts = pop_local_expert_count(experts)
-        # A Python int for the layer's own use (traceable by torch.compile) and Tutel's buffer,
-        # which puts the count into state_dict.
-        self._expert_count = global_expert_count(self.num_local_experts, self.world_size)
-        self.register_buffer("_num_global_experts", torch.tensor(self._expert_count))
-        placement = Placement(self._expert_count, self.world_size)
+        # A Python int for the layer's own use (traceable by torch.compile; a plain attribute, read
+        # at every call) and Tutel's buffer, which puts the count into state_dict.
+        self.num_global_experts = global_expert_count(self.num_local_experts, self.world_size)
+        self.register_buffer("_num_global_experts", torch.tensor(self.num_global_experts))
+        placement = Placement(self.num_global_experts, self.world_size)
         self.sharded_count, self.num_local_experts = placement.sharded_count, placement.local_experts
         self.valid_rs = valid_adaptive_rs(self.sharded_count)
         self.adaptive_degree = parse_parallel_type(parallel_type, self.sharded_count)
@@ -130,10 +130,6 @@ class MOELayer(torch.nn.Module):
     def global_expert_count(num_local_experts, group=None) -> int:
         """Total experts when every process of `group` holds `num_local_experts`."""
         return global_expert_count(local_expert_count(num_local_experts), get_world_size(_default_group(group)))
-
-    @property
-    def num_global_experts(self) -> int:
-        return self._expert_count
 
     def extra_repr(self) -> str:
         return "Top-K(s) = %s, Total-Experts = %d [managed by %d device(s)]," % (
@@ -264,7 +260,7 @@ class MOELayer(torch.nn.Module):
         Tokens of another floating dtype than the experts' parameters are computed in the
         parameters' dtype, as Tutel does, with a warning (once per pair of dtypes): float64 tokens
         through a float32 layer are not computed in float64 (docs/migration.md)."""
-        dtype = autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device.type) if any_autocast() else None
         if dtype is not None:
             return dtype
         # The experts' own parameters first: parameters() yields them first anyway, and walking the

@@ -99,7 +99,7 @@ def cuda_capability(device: torch.device) -> tuple:
 def _self_check_impossible(device: torch.device) -> bool:
     """True while tracing, capturing or running on fake tensors, when the check cannot run kernels
     and compare results."""
-    if is_compiling() or fake_mode_active():
+    if fake_mode_active() or is_compiling():  # (fake first: a trace on fake tensors asks for every operator)
         return True
     # (A CPU-only PyTorch has no capture state to ask about.)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

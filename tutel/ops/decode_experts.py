@@ -148,3 +148,18 @@ def decode_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
                            "tutel.experts.routed.routed_experts")
     return torch.ops.tutel.decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
                                           bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)
+
+
+def decode_experts_planned(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                           up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
+                           down_bias: Optional[torch.Tensor], transposed: bool, unit: GatedUnit,
+                           gate_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """decode_experts for the tensors of tutel's routed experts and layer, which their own checks
+    passed (the operator checks the shapes itself): no checks here, where they would cost more
+    Python than the rest of a decoding step's call.  The biases are taken in x's dtype."""
+    if up_bias is not None and up_bias.dtype != x.dtype:
+        up_bias = up_bias.to(x.dtype)
+    if down_bias is not None and down_bias.dtype != x.dtype:
+        down_bias = down_bias.to(x.dtype)
+    return torch.ops.tutel.decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
+                                          bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)

@@ -39,9 +39,15 @@ _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     # A fake tensor has no address: its storage starts aligned, as an allocator's blocks do.
-    start = t.storage_offset() * size if is_fake(t) else t.data_ptr()
-    return 1 in t.stride()[-2:] and all(stride == 1 or stride * size % 16 == 0 for stride in t.stride()) and \
-        start % 16 == 0
+    if (t.storage_offset() * size if is_fake(t) else t.data_ptr()) % 16:
+        return False
+    strides = t.stride()
+    if 1 not in strides[-2:]:
+        return False
+    for stride in strides:  # (a loop, not all(...): a generator costs a call per dim)
+        if stride != 1 and stride * size % 16:
+            return False
+    return True
 
 
 def grouped_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:

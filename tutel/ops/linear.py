@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..rules.autocast import autocast_dtype, without_autocast
+from ..rules.autocast import any_autocast, autocast_dtype, without_autocast
 from ..rules.lines import TOKEN_LINEAR_MAX_ROWS  # the line and its reason: tutel/rules/lines.py
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
@@ -28,6 +28,8 @@ def _autocast_operands(x, weight):
     """Under autocast, the GEMM operands in autocast's dtype (what autocast does for bmm / mm,
     which the operators below run on directly); float64 is left alone, as autocast does.  The
     bias keeps its dtype: adding it promotes the product, as ``matmul(x, w) + b`` does."""
+    if not any_autocast():  # (one C call where autocast is off everywhere, the common case)
+        return x, weight
     try:
         dtype = autocast_dtype(x.device.type)
     except RuntimeError:  # a device type autocast does not know (e.g. meta)
@@ -156,7 +158,7 @@ def token_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     float, rounded once, as PyTorch's).  Everything else is ``F.linear``."""
     if (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= TOKEN_LINEAR_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
-            and (bias is None or bias.dtype == x.dtype) and autocast_dtype("cpu") is None
+            and (bias is None or bias.dtype == x.dtype) and not (any_autocast() and autocast_dtype("cpu") is not None)
             and eager_without_grad(x, weight, bias)):
         return torch.ops.tutel.grouped_linear(x, weight.unsqueeze(0), None if bias is None else bias.unsqueeze(0),
                                               [x.shape[0]], True)

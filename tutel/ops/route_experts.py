@@ -143,8 +143,19 @@ def route_experts(logits: torch.Tensor, k: int, *, score_function: str = "softma
     batch_prioritized = _require_bool(batch_prioritized, "batch_prioritized", where)
     capacity = require_int(capacity, "capacity", where, minimum=-1)
     with_loss = _require_bool(with_loss, "with_loss", where)
-    args = (logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
-            float(routed_scaling_factor), batch_prioritized, capacity, with_loss)
+    return _routed(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
+                   float(routed_scaling_factor), batch_prioritized, capacity, with_loss)
+
+
+def route_experts_softmax(logits: torch.Tensor, k: int, renormalize: bool, batch_prioritized: bool,
+                          capacity: int) -> ExpertRouting:
+    """route_experts(logits, k, renormalize=, batch_prioritized=, capacity=) with the loss (Tutel's
+    softmax top-k routing), for arguments a caller has checked already (moe_layer checks its call's
+    switches once): no checks here, where they would cost more Python than the rest of the routing."""
+    return _routed(logits, k, "softmax", False, None, 0, 0, renormalize, 1.0, batch_prioritized, capacity, True)
+
+
+def _routed(logits: torch.Tensor, *settings) -> ExpertRouting:
     if eager_without_grad(logits):  # nothing to differentiate: no autograd wrapper
-        return ExpertRouting(*torch.ops.tutel.route_experts(*args))
-    return ExpertRouting(*_RouteExperts.apply(*args))
+        return ExpertRouting(*torch.ops.tutel.route_experts(logits, *settings))
+    return ExpertRouting(*_RouteExperts.apply(logits, *settings))

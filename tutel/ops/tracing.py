@@ -20,7 +20,11 @@ def eager_without_grad(*tensors: Optional[torch.Tensor]) -> bool:
     autograd wrappers, whose cost matches a decoding step's arithmetic on small experts."""
     if is_compiling():
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    if torch.is_grad_enabled():
+        for t in tensors:  # (a loop, not any(...): a generator costs a call per tensor)
+            if t is not None and t.requires_grad:
+                return False
+    return True
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -34,7 +38,10 @@ def direct_call_allowed(*tensors: Optional[torch.Tensor]) -> bool:
     (None entries allowed) is of a plain class (a subclass such as DTensor dispatches itself)."""
     if _DISPATCH_MODES is None or _DISPATCH_MODES() > 0:
         return False
-    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+    for t in tensors:  # (a loop, not all(...): a generator costs a call per tensor)
+        if t is not None and type(t) not in _PLAIN_TENSORS:
+            return False
+    return True
 
 
 def is_fake(t: torch.Tensor) -> bool:

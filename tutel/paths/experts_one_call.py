@@ -30,7 +30,10 @@ def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights
     Returns:
         [T, O] in x's dtype."""
     check_unit(unit, "tutel.experts.routed_experts")
-    up_bias, down_bias = (None if b is None else b.to(x.dtype) for b in (up_bias, down_bias))
+    if up_bias is not None:
+        up_bias = up_bias.to(x.dtype)
+    if down_bias is not None:
+        down_bias = down_bias.to(x.dtype)
     tensors = (x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias)
     # The CPU implementation bound directly where the dispatcher has nothing to do (plain tensors):
     # with the caches cold it costs as much as the operator's own fixed work at decoding sizes.

@@ -1,15 +1,15 @@
 """The facts of a call (tutel.rules.paths.FACTS), built here and nowhere else: for moe_layer's calls
 (``layer_facts``) and for routed experts' (``experts_facts``), which transformers' "tutel" experts
 make too."""
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..ops.decode_experts import decode_experts_supported
-from ..ops.gated_units import GatedUnit
 from ..ops.tracing import direct_call_allowed, is_compiling
-from ..rules.autocast import autocast_dtype
+from ..rules.autocast import any_autocast, autocast_dtype
 from .experts_pieces import fits_one_call
+from .work import WeightExperts
 
 
 def device_kind(x: torch.Tensor) -> str:
@@ -45,7 +45,7 @@ def layer_facts(layer: torch.nn.Module, x: torch.Tensor, call, reserve_dims: int
         "gradient": records_gradient(layer, x),
         "plain": not is_compiling() and direct_call_allowed(x),
         "traced": is_compiling(),
-        "autocast": autocast_dtype(x.device.type) is not None,
+        "autocast": any_autocast() and autocast_dtype(x.device.type) is not None,
         "processes": "several" if layer.world_size > 1 else "one",
         "layout": "grouped" if call.megablocks_size > 0 else "padded",
         "capacity": capacity,
@@ -62,18 +62,17 @@ def layer_facts(layer: torch.nn.Module, x: torch.Tensor, call, reserve_dims: int
 
 
 def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                  up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                  down_bias: Optional[torch.Tensor], unit: Optional[GatedUnit],
-                  post_fn: Optional[Callable]) -> Dict[str, object]:
+                  experts: WeightExperts) -> Dict[str, object]:
     """The facts of a routed experts call for its tensors as they will be computed (after autocast
     and widening)."""
+    up, down = experts.up_weight, experts.down_weight
     return {
         "device": device_kind(x),
         "gradient": torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weights, up_weight, down_weight, up_bias, down_bias)),
+            t is not None and t.requires_grad for t in (x, weights, up, down, experts.up_bias, experts.down_bias)),
         "traced": is_compiling(),
-        "gated_experts": unit is not None and post_fn is None and down_weight.dtype == x.dtype,
+        "gated_experts": experts.unit is not None and experts.post_fn is None and down.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
         "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device,
-                                                  experts=down_weight.shape[0]),
+                                                  experts=experts.num_experts),
     }

@@ -36,6 +36,5 @@ def occupied_combine(work: Work) -> None:
 
 def slots_combine(work: Work) -> None:
     """Tutel's [E, C, O] slot buffer back to the tokens."""
-    crit = work.crit
-    work.y = decode_planned(work.out, choice_table(crit.indices_s), choice_table(crit.locations_s),
-                            _combine_gates(work))
+    indices, locations = work.plan
+    work.y = decode_planned(work.out, indices, locations, _combine_gates(work))

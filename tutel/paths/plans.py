@@ -48,13 +48,9 @@ def plan_piece(plan: RoutingPlan, start: int, end: int) -> RoutingPlan:
 
 class ChoiceRows(list):
     """Tutel's list of k [T] tensors (a crit tuple's indices_s, locations_s, gates_s) made from the
-    rows of one [k, T] table, which it keeps: choice_table then hands the table back without looking
-    at the rows.  Any change to the list forgets the table."""
+    rows of one [k, T] table, which it keeps in ``table``: choice_table then hands the table back
+    without looking at the rows.  Any change to the list forgets the table."""
     __slots__ = ("table",)
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__(table.unbind(0))
-        self.table: Optional[torch.Tensor] = table
 
 
 def _forgetting(method):
@@ -70,10 +66,16 @@ for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "e
     setattr(ChoiceRows, _name, _forgetting(getattr(list, _name)))
 
 
-def choice_rows(table: torch.Tensor) -> list:
-    """Tutel's list of the rows of a [k, T] table: a ChoiceRows, or a plain list where torch.compile
+def choice_rows(*tables: torch.Tensor) -> Tuple[list, ...]:
+    """Tutel's lists of the rows of each [k, T] table: ChoiceRows, or plain lists where torch.compile
     traces (it builds no list subclass)."""
-    return list(table.unbind(0)) if torch.compiler.is_compiling() else ChoiceRows(table)
+    if torch.compiler.is_compiling():
+        return tuple(list(table.unbind(0)) for table in tables)
+    rows = []
+    for table in tables:
+        rows.append(ChoiceRows(table.unbind(0)))  # (list's own constructor: no Python call per list)
+        rows[-1].table = table
+    return tuple(rows)
 
 
 def choice_table(choices) -> torch.Tensor:

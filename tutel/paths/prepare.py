@@ -70,11 +70,12 @@ def occupied(work: Work) -> None:
 
 
 def slots(work: Work) -> None:
-    """Tutel's [E, C, M] slot buffer (of the layer's own routing: its tables need no checks)."""
+    """Tutel's [E, C, M] slot buffer (of the layer's own routing: its tables need no checks); the plan
+    is the routing's [k, T] expert and slot tables."""
     crit = work.crit
+    work.plan = indices, locations = choice_table(crit.indices_s), choice_table(crit.locations_s)
     gates = None if work.at_combine else choice_table(crit.gates_s)
-    work.rows = encode_planned(work.x, choice_table(crit.indices_s), choice_table(crit.locations_s),
-                               crit.num_global_experts, crit.capacity, gates)
+    work.rows = encode_planned(work.x, indices, locations, crit.num_global_experts, crit.capacity, gates)
 
 
 def agreed_slots(work: Work) -> None:

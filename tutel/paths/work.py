@@ -20,32 +20,49 @@ class GatedWeights(NamedTuple):
     unit: GatedUnit
 
 
-class GroupedProducts:
-    """Experts given as tensors, applied to grouped rows: ``products(rows, plan)`` -> [n, O] outputs
-    before the routing weights.  (A plain class, not a NamedTuple: PyTorch 2.6's torch.compile
-    cannot call a method of a tuple that holds tensors.)"""
+class WeightExperts:
+    """routed_experts' experts: the weight tensors and the rule between the two products.  Called
+    as ``experts(rows, plan)`` it maps [n, H] rows grouped as `plan` (tutel.paths.plans.RoutingPlan)
+    says to their [n, O] outputs before the routing weights.  (A plain class, not a NamedTuple:
+    PyTorch 2.6's torch.compile cannot call a method of a tuple that holds tensors.)"""
 
     def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                 down_bias: Optional[torch.Tensor], transposed: bool, gate: Optional[GatedUnit],
+                 down_bias: Optional[torch.Tensor], transposed: bool, unit: Optional[GatedUnit],
                  gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
                  activation: Optional[Callable[[torch.Tensor], torch.Tensor]],
                  post_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]):
         self.up_weight, self.down_weight, self.up_bias, self.down_bias = up_weight, down_weight, up_bias, down_bias
-        self.transposed, self.gate, self.gate_fn, self.activation, self.post_fn = \
-            transposed, gate, gate_fn, activation, post_fn
+        self.transposed, self.unit, self.gate_fn, self.activation, self.post_fn = \
+            transposed, unit, gate_fn, activation, post_fn
+        self.num_experts = up_weight.shape[0]
+
+    def with_weights(self, up_weight: torch.Tensor, down_weight: torch.Tensor) -> "WeightExperts":
+        """The same experts with their matrices converted (autocast, widening)."""
+        return WeightExperts(up_weight, down_weight, self.up_bias, self.down_bias, self.transposed, self.unit,
+                             self.gate_fn, self.activation, self.post_fn)
+
+    def gated(self, dtype: torch.dtype) -> GatedWeights:
+        """The gated experts' matrices (already in the call's dtype)."""
+        return GatedWeights(self.up_weight, self.down_weight, None, self.up_bias, self.down_bias, self.transposed,
+                            self.unit)
+
+    def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
+        projection in bytes."""
+        up = self.up_weight
+        return self, (up.shape[2] if self.transposed else up.shape[1]) * up.element_size()
 
     def __call__(self, rows: torch.Tensor, plan) -> torch.Tensor:
-        """[n, H] rows grouped as `plan` (tutel.paths.plans.RoutingPlan) says -> [n, O] expert
-        outputs; the rows past the kept ones hold anything (the combine and the pieces read only
-        the kept rows, and their gradients flow back only into them).  The biases ride in the
-        grouped products, except a gated unit's up bias where the product would add it in a launch
-        of its own (beside grouped_mm, on devices): the unit's kernel adds it instead."""
-        unit_bias = self.up_bias if self.gate is not None and self.up_bias is not None and \
+        """The rows past the kept ones hold anything (the combine and the pieces read only the kept
+        rows, and their gradients flow back only into them).  The biases ride in the grouped
+        products, except a gated unit's up bias where the product would add it in a launch of its
+        own (beside grouped_mm, on devices): the unit's kernel adds it instead."""
+        unit_bias = self.up_bias if self.unit is not None and self.up_bias is not None and \
             bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
         hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
                                  self.up_bias if unit_bias is None else None, zero_tail=False)
-        if self.gate is not None:
-            hidden = gated_unit(hidden, self.gate, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
+        if self.unit is not None:
+            hidden = gated_unit(hidden, self.unit, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
                                 offsets=None if unit_bias is None else plan.offsets)
         elif self.gate_fn is not None:
             hidden = self.gate_fn(hidden)
@@ -56,28 +73,6 @@ class GroupedProducts:
         out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
                               zero_tail=False)
         return out if self.post_fn is None else self.post_fn(out)
-
-
-class WeightExperts:
-    """routed_experts' experts: the weight tensors and the rule between the two products."""
-
-    def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
-                 down_bias: Optional[torch.Tensor], transposed: bool, unit: Optional[GatedUnit],
-                 gate_fn: Optional[Callable], activation: Optional[Callable], post_fn: Optional[Callable]):
-        self.num_experts = up_weight.shape[0]
-        self.products = GroupedProducts(up_weight, down_weight, up_bias, down_bias, transposed, unit, gate_fn,
-                                        activation, post_fn)
-
-    def gated(self, dtype: torch.dtype) -> GatedWeights:
-        """The gated experts' matrices (already in the call's dtype)."""
-        p = self.products
-        return GatedWeights(p.up_weight, p.down_weight, None, p.up_bias, p.down_bias, p.transposed, p.gate)
-
-    def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
-        """``(products, row_bytes)``: the experts on grouped rows, and one row's up projection in bytes."""
-        up = self.products.up_weight
-        width = up.shape[2] if self.products.transposed else up.shape[1]
-        return self.products, width * up.element_size()
 
 
 class ModuleExperts:

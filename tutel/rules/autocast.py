@@ -18,6 +18,15 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
 
 
+def _any_autocast_by_device() -> bool:
+    return autocast_dtype("cpu") is not None or autocast_dtype("cuda") is not None
+
+
+# Whether autocast is on for any device: one C call where PyTorch has it (a call's fast check before
+# asking for its own device's dtype).
+any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or _any_autocast_by_device
+
+
 def without_autocast(device_type: str):
     """Context in which autocast is off for `device_type` (routing runs in full precision)."""
     if device_type in ("cpu", "cuda", "xpu", "hpu"):

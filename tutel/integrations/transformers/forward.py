@@ -2,28 +2,36 @@
 
 transformers calls it as ``forward(self, hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k]) -> [T, H]`` with ``self`` the model's experts module; the router stays the
-model's own.  Routing metadata, dispatch, the grouped expert GEMMs and the combine run in
-``tutel.experts.routed_experts``.
+model's own.  The module's layout is read once per state of the module (``module_experts``);
+routing metadata, dispatch, the grouped expert GEMMs and the combine run in tutel's routed experts
+(``tutel.experts.routed.run_routed``, on tutel.paths).
 """
 import torch
 
-from ...experts.routed import routed_experts
-from .layout import read_layout
-from .one_call import one_call_forward
+from ...experts.routed import run_routed
+from .module_experts import module_experts
 
 
-def _check_call(module: torch.nn.Module, hidden_states, top_k_index, top_k_weights) -> None:
-    """The call's arguments, with the module class in the message."""
+def _check_call(module: torch.nn.Module, width: int, hidden_states, top_k_index, top_k_weights) -> None:
+    """The call's arguments, with the module class in the message (the module's own tensors were
+    checked when its layout was read)."""
+    where = f'experts_implementation="tutel": {type(module).__name__}'
     for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f'experts_implementation="tutel": {type(module).__name__} was called with '
-                            f"`{name}` of type {type(value).__name__}, expected a tensor")
+            raise TypeError(f"{where} was called with `{name}` of type {type(value).__name__}, expected a tensor")
     if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape \
             or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f'experts_implementation="tutel": {type(module).__name__} expects hidden_states [T, H], '
-                         f"top_k_index [T, k] and top_k_weights [T, k]; got {tuple(hidden_states.shape)}, "
-                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+        raise ValueError(f"{where} expects hidden_states [T, H], top_k_index [T, k] and top_k_weights [T, k]; got "
+                         f"{tuple(hidden_states.shape)}, {tuple(top_k_index.shape)} and "
+                         f"{tuple(top_k_weights.shape)}")
+    if hidden_states.shape[1] != width:
+        raise ValueError(f"{where} takes tokens of {width} features, got hidden_states {tuple(hidden_states.shape)}")
+    if not hidden_states.is_floating_point() or not top_k_weights.is_floating_point():
+        raise TypeError(f"{where}: `hidden_states` and `top_k_weights` must be floating point, got "
+                        f"{hidden_states.dtype} and {top_k_weights.dtype}")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise TypeError(f"{where}: `top_k_index` must hold integer expert ids, got {top_k_index.dtype}")
 
 
 def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -43,26 +51,15 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
     Raises:
         UnsupportedExpertsLayout: the module's flags describe experts tutel cannot run.
     """
-    out = one_call_forward(self, hidden_states, top_k_index, top_k_weights)  # CPU inference's shortcut
-    if out is not None:
-        return out
-    _check_call(self, hidden_states, top_k_index, top_k_weights)
-    layout = read_layout(self)
-    width = layout.model_dim
-    if hidden_states.shape[1] != width:
-        raise ValueError(f'experts_implementation="tutel": {type(self).__name__} takes tokens of {width} features, '
-                         f"got hidden_states {tuple(hidden_states.shape)}")
+    read = module_experts(self)
+    _check_call(self, read.model_dim, hidden_states, top_k_index, top_k_weights)
     weights = top_k_weights
-    if layout.expert_parallel:
-        # Choices owned by other processes: routed_experts already skips ids outside [0, E); the
+    if read.expert_parallel:
+        # Choices owned by other processes: routed experts already skip ids outside [0, E); the
         # zero weight also keeps them out of the router's gradient.
-        weights = weights.masked_fill(top_k_index >= layout.num_experts, 0.0)
+        weights = weights.masked_fill(top_k_index >= read.num_experts, 0.0)
     # Routers that compute in float32 hand float32 weights to float64 tokens: widened, so the
     # product keeps the tokens' precision as in the eager experts (wider weights pass as they are).
     if weights.dtype != hidden_states.dtype and weights.dtype.itemsize < hidden_states.dtype.itemsize:
         weights = weights.to(hidden_states.dtype)
-    return routed_experts(hidden_states, top_k_index, weights, layout.up_weight, layout.down_weight,
-                          up_bias=layout.up_bias, down_bias=layout.down_bias, transposed=layout.transposed,
-                          gate=layout.gate, gate_fn=layout.gate_fn, activation=layout.activation,
-                          post_fn=layout.post_fn)
-
+    return run_routed(hidden_states, top_k_index, weights, read.experts())

@@ -1,5 +1,5 @@
 """How the tensors of a transformers experts module are laid out: the one reader of them, used by
-the "tutel" experts implementation (``forward``, ``one_call``, ``registration``) and by
+the "tutel" experts implementation (``forward``, ``module_experts``, ``registration``) and by
 ``replace_moe_blocks`` (``block_layouts``).
 
 transformers' ``@use_experts_implementation(...)`` decorator stores the layout of an experts
