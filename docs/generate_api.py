@@ -11,6 +11,7 @@ import os
 import re
 import sys
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "api.md")
 
@@ -99,17 +100,10 @@ def render() -> str:
 
 
 def main(argv) -> int:
+    from generated_page import write_or_check  # beside this script
+
     sys.path.insert(0, os.path.dirname(HERE))
-    text = render()
-    if "--check" in argv:
-        with open(OUTPUT) as handle:
-            if handle.read() != text:
-                print("docs/api.md is out of date: run python3 docs/generate_api.py", file=sys.stderr)
-                return 1
-        return 0
-    with open(OUTPUT, "w") as handle:
-        handle.write(text)
-    return 0
+    return write_or_check(OUTPUT, render(), argv, "docs/generate_api.py")
 
 
 if __name__ == "__main__":

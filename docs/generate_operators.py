@@ -9,6 +9,7 @@ schemas are read from the registered operators: writing the page needs the built
 import os
 import sys
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "operators.md")
 
@@ -36,16 +37,9 @@ def render() -> str:
 
 
 def main(argv) -> int:
-    text = render()
-    if "--check" in argv:
-        with open(OUTPUT) as handle:
-            if handle.read() != text:
-                print("docs/operators.md is out of date: run python3 docs/generate_operators.py", file=sys.stderr)
-                return 1
-        return 0
-    with open(OUTPUT, "w") as handle:
-        handle.write(text)
-    return 0
+    from generated_page import write_or_check  # beside this script
+
+    return write_or_check(OUTPUT, render(), argv, "docs/generate_operators.py")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import sys
 from types import ModuleType
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUTPUT = os.path.join(HERE, "size-lines.md")
 LINES_SOURCE = os.path.join(os.path.dirname(HERE), "tutel", "rules", "lines.py")
@@ -41,16 +42,9 @@ def render() -> str:
 
 
 def main(argv) -> int:
-    text = render()
-    if "--check" in argv:
-        with open(OUTPUT) as handle:
-            if handle.read() != text:
-                print("docs/size-lines.md is out of date: run python3 docs/generate_size_lines.py", file=sys.stderr)
-                return 1
-        return 0
-    with open(OUTPUT, "w") as handle:
-        handle.write(text)
-    return 0
+    from generated_page import write_or_check  # beside this script
+
+    return write_or_check(OUTPUT, render(), argv, "docs/generate_size_lines.py")
 
 
 if __name__ == "__main__":
