@@ -249,9 +249,10 @@ def test_llama_experts_with_another_activation_keep_the_pieces(monkeypatch):
 def test_grouped_path_without_grad_in_pieces(monkeypatch, name):
     """Pieces of 7 grouped rows (each gathered from the tokens and added back) equal the reference,
     with and without dropped tokens."""
-    from tutel.paths import experts_pieces
+    from tutel.paths import experts_pieces, facts
     monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
     monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(facts, "MIN_PIECE_ROWS", 7)
     forbid(monkeypatch, "gated_experts_in_one_call")
     for capacity_factor in (0.0, 0.7):
         layer = make_layer(6, 3, capacity_factor, hidden=9, **LEAN_EXPERTS[name])

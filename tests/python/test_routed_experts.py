@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tutel.experts import routed_experts
 from tutel.ops import direct
 from tutel.ops.gated_units import SWIGLU, GatedUnit
-from tutel.paths import WeightExperts, experts_pieces
+from tutel.paths import WeightExperts, experts_pieces, facts
 
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-4, 2e-5),
              torch.bfloat16: (4e-2, 4e-2), torch.float16: (4e-3, 4e-3)}
@@ -264,6 +264,7 @@ def test_pieces_without_autograd_match_the_reference(monkeypatch, transposed, ga
     row); forced here to 7 rows per piece."""
     monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
     monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(facts, "MIN_PIECE_ROWS", 7)
     gated = gate_kind != "activation"
     x, ids, weights, up, down, up_bias, down_bias = make_case(23, 16, 8, 12, 5, 3, gated, transposed, True, True,
                                                               dtype, seed=21)
@@ -289,6 +290,7 @@ def test_pieces_with_every_choice_dropped(monkeypatch):
     """Pieces forced, but no choice kept (every id outside [0, E)): zeros, no piece runs."""
     monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
     monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(facts, "MIN_PIECE_ROWS", 7)
     x, ids, weights, up, down, _, _ = make_case(23, 16, 8, 12, 5, 3, True, False, False, False, torch.float32, seed=5)
     with torch.no_grad():
         y = routed_experts(x, torch.full_like(ids, 5), weights, up, down, gate="swiglu")
@@ -392,6 +394,7 @@ def test_one_call_inference_stays_out_of_other_cases(monkeypatch):
                         False, True, kwargs.get("post_fn"))
         torch.testing.assert_close(y.double(), ref, rtol=2e-4, atol=2e-5)
     monkeypatch.setattr(experts_pieces, "MIN_PIECE_ROWS", 7)
+    monkeypatch.setattr(facts, "MIN_PIECE_ROWS", 7)
     monkeypatch.setattr(experts_pieces, "PIECE_BYTES", 1)
     y = routed_experts(x, ids, weights, up, down, up_bias=ub, down_bias=db, gate="swiglu")
     ref = reference(x.double(), ids, weights.double(), up.double(), down.double(), ub.double(), db.double(), False, True)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from ..ops import direct
-from ..ops.gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
+from ..ops.gated_units import SWIGLU, GatedUnit, unit_scalars
 from ..ops.tracing import direct_call_allowed
 from .work import Work
 
@@ -25,11 +25,12 @@ def gated_experts_in_one_call(x: torch.Tensor, expert_ids: torch.Tensor, weights
             (biases are converted); nothing may require a gradient.
         gate_weight: the gates' own matrices, of up_weight's shape (then up_weight holds the ups
             only, as in moe_layer's llama_ffn), or None for up_weight's [gate | up] halves.
-        unit: the gated unit (not interleaved with gate_weight).
+        unit: the gated unit (not interleaved with gate_weight), checked by the caller
+            (tutel.ops.gated_units.check_unit: routed_experts and transformers' experts check theirs
+            once, moe_layer's is SwiGLU).
 
     Returns:
         [T, O] in x's dtype."""
-    check_unit(unit, "tutel.experts.routed_experts")
     if up_bias is not None:
         up_bias = up_bias.to(x.dtype)
     if down_bias is not None:

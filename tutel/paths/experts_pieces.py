@@ -19,12 +19,6 @@ def piece_rows(row_bytes: int) -> int:
     return max(MIN_PIECE_ROWS, PIECE_BYTES // max(1, row_bytes))
 
 
-def fits_one_call(rows: int) -> bool:
-    """Whether inference of `rows` grouped rows runs in one operator call (experts_one_call): up to
-    the rows of the smallest piece, where the calls' fixed costs still matter."""
-    return rows <= MIN_PIECE_ROWS
-
-
 def combine_without_grad(x: torch.Tensor, weights: Optional[torch.Tensor], plan: RoutingPlan,
                          products: Callable[[torch.Tensor, RoutingPlan], torch.Tensor], rows_per_piece: int
                          ) -> torch.Tensor:

@@ -8,14 +8,18 @@ import torch
 from ..ops.decode_experts import decode_experts_supported
 from ..ops.tracing import direct_call_allowed, is_compiling
 from ..rules.autocast import any_autocast, autocast_dtype
-from .experts_pieces import fits_one_call
+from ..rules.lines import MIN_PIECE_ROWS
 from .work import WeightExperts
 
 
-def device_kind(x: torch.Tensor) -> str:
-    """`cpu`, `cuda` or `other`: the device fact."""
-    kind = x.device.type
-    return kind if kind in ("cpu", "cuda") else "other"
+# The device fact by device type (a dict lookup: the facts are built on every call).
+_DEVICE_KINDS = {"cpu": "cpu", "cuda": "cuda"}
+
+
+def fits_one_call(rows: int) -> bool:
+    """Whether inference of `rows` grouped rows runs in one operator call (experts_one_call): up to
+    the rows of the smallest piece (tutel.rules.lines), where the calls' fixed costs still matter."""
+    return rows <= MIN_PIECE_ROWS
 
 
 def records_gradient(layer: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -41,7 +45,7 @@ def layer_facts(layer: torch.nn.Module, x: torch.Tensor, call, reserve_dims: int
     else:
         capacity = "dropless" if call.capacity_factor == 0 else "capped"
     return {
-        "device": device_kind(x),
+        "device": _DEVICE_KINDS.get(x.device.type, "other"),
         "gradient": records_gradient(layer, x),
         "plain": not is_compiling() and direct_call_allowed(x),
         "traced": is_compiling(),
@@ -66,13 +70,15 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
     """The facts of a routed experts call for its tensors as they will be computed (after autocast
     and widening)."""
     up, down = experts.up_weight, experts.down_weight
+    device = _DEVICE_KINDS.get(x.device.type, "other")
     return {
-        "device": device_kind(x),
+        "device": device,
         "gradient": torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weights, up, down, experts.up_bias, experts.down_bias)),
         "traced": is_compiling(),
         "gated_experts": experts.unit is not None and experts.post_fn is None and down.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
-        "decode_kernel": decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype, x.device,
-                                                  experts=experts.num_experts),
+        # (decode_experts_supported is False off CUDA: not asked there)
+        "decode_kernel": device == "cuda" and decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype,
+                                                                       x.device, experts=experts.num_experts),
     }

@@ -4,10 +4,6 @@ from .plans import choice_table
 from .work import Work
 
 
-def in_experts(work: Work) -> None:
-    """The experts stage combined the outputs itself (a fused operator, or the pieces)."""
-
-
 def _combine_gates(work: Work):
     """The routing weights as the combine takes them ([k, T], or Tutel's k lists), or None where they
     applied at the encode or are all 1."""

@@ -8,11 +8,6 @@ from .plans import choice_table, grouped_locations, kept_expert_ids, occupied_ro
 from .work import Work
 
 
-def given_choices(work: Work) -> None:
-    """The [T, k] choices and weights go to the experts as they are (the fused operators group
-    them themselves)."""
-
-
 def in_gemm_dtype(work: Work) -> None:
     """The [T, k] choices as they are, the products' dtype chosen for them: on a CPU without 16-bit
     dot products, busy experts' 16-bit data widens (tutel.ops.precision)."""

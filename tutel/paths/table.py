@@ -4,7 +4,7 @@ which runs one.  moe_layer, routed experts and transformers' "tutel" experts all
 
 An experts implementation is one module of stages (an experts stage, with a prepare stage where
 its rows need their own layout) plus one row here and one rule in tutel.rules.paths."""
-from typing import Callable, Dict, NamedTuple
+from typing import Callable, Dict, NamedTuple, Optional
 
 from ..rules.paths import Path
 from . import experts_decode, experts_grouped, experts_module, experts_one_call, experts_pieces, finalize, prepare
@@ -20,32 +20,33 @@ GIVEN = "given"        # [T, k] choices and weights from the caller (routed expe
 
 
 class PathStages(NamedTuple):
-    """One row of the table."""
+    """One row of the table; None for a stage the path has no work for (a fused operator takes the
+    routed choices as they are, or combines the outputs itself)."""
     routing: str
-    prepare: Stage
+    prepare: Optional[Stage]
     experts: Stage
-    finalize: Stage
+    finalize: Optional[Stage]
 
 
 STAGES: Dict[Path, PathStages] = {
     Path.EXPERT_PARALLEL: PathStages(CRIT, prepare.agreed_slots, experts_module.module_across_processes,
                                      finalize.slots_combine),
-    Path.STATIC_DECODE: PathStages(PLANNED, prepare.given_choices, experts_decode.decode_kernel,
-                                   finalize.in_experts),
+    Path.STATIC_DECODE: PathStages(PLANNED, None, experts_decode.decode_kernel,
+                                   None),
     Path.STATIC_GROUPED: PathStages(PLANNED, prepare.planned_rows, experts_grouped.grouped_products,
                                     finalize.grouped_combine),
     Path.LAYER_IN_TWO_CALLS: PathStages(ONE_PASS, prepare.in_gemm_dtype, experts_one_call.one_call,
-                                        finalize.in_experts),
-    Path.GROUPED_ONE_CALL: PathStages(CRIT, prepare.kept_choices, experts_one_call.one_call, finalize.in_experts),
+                                        None),
+    Path.GROUPED_ONE_CALL: PathStages(CRIT, prepare.kept_choices, experts_one_call.one_call, None),
     Path.GROUPED_PIECES: PathStages(CRIT, prepare.kept_sorted, experts_pieces.products_in_pieces,
-                                    finalize.in_experts),
+                                    None),
     Path.GROUPED: PathStages(CRIT, prepare.occupied, experts_module.module_on_occupied_rows,
                              finalize.occupied_combine),
     Path.PADDED: PathStages(CRIT, prepare.slots, experts_module.module_on_slots, finalize.slots_combine),
-    Path.EXPERTS_ONE_CALL: PathStages(GIVEN, prepare.given_choices, experts_one_call.one_call, finalize.in_experts),
+    Path.EXPERTS_ONE_CALL: PathStages(GIVEN, None, experts_one_call.one_call, None),
     Path.EXPERTS_PIECES: PathStages(GIVEN, prepare.sorted_plan, experts_pieces.products_in_pieces,
-                                    finalize.in_experts),
-    Path.EXPERTS_DECODE: PathStages(GIVEN, prepare.given_choices, experts_decode.decode_kernel, finalize.in_experts),
+                                    None),
+    Path.EXPERTS_DECODE: PathStages(GIVEN, None, experts_decode.decode_kernel, None),
     Path.EXPERTS_GROUPED: PathStages(GIVEN, prepare.sorted_rows, experts_grouped.grouped_products,
                                      finalize.grouped_combine),
 }
@@ -54,14 +55,16 @@ STAGES: Dict[Path, PathStages] = {
 def run(path: Path, work: Work) -> Work:
     """Runs `path`'s three stages on `work`; its ``y`` is then the [T, O] result."""
     stages = STAGES[path]
-    stages.prepare(work)
+    if stages.prepare is not None:
+        stages.prepare(work)
     stages.experts(work)
-    stages.finalize(work)
+    if stages.finalize is not None:
+        stages.finalize(work)
     return work
 
 
-def _name(stage: Stage) -> str:
-    return f"`{stage.__module__.rsplit('.', 1)[-1]}.{stage.__name__}`"
+def _name(stage: Optional[Stage]) -> str:
+    return "-" if stage is None else f"`{stage.__module__.rsplit('.', 1)[-1]}.{stage.__name__}`"
 
 
 def stages_table() -> str:

@@ -25,6 +25,8 @@ class WeightExperts:
     as ``experts(rows, plan)`` it maps [n, H] rows grouped as `plan` (tutel.paths.plans.RoutingPlan)
     says to their [n, O] outputs before the routing weights.  (A plain class, not a NamedTuple:
     PyTorch 2.6's torch.compile cannot call a method of a tuple that holds tensors.)"""
+    __slots__ = ("up_weight", "down_weight", "up_bias", "down_bias", "transposed", "unit", "gate_fn", "activation",
+                 "post_fn", "gate_weight", "num_experts")
 
     def __init__(self, up_weight: torch.Tensor, down_weight: torch.Tensor, up_bias: Optional[torch.Tensor],
                  down_bias: Optional[torch.Tensor], transposed: bool, unit: Optional[GatedUnit],
@@ -34,6 +36,7 @@ class WeightExperts:
         self.up_weight, self.down_weight, self.up_bias, self.down_bias = up_weight, down_weight, up_bias, down_bias
         self.transposed, self.unit, self.gate_fn, self.activation, self.post_fn = \
             transposed, unit, gate_fn, activation, post_fn
+        self.gate_weight = None  # (GatedWeights' fields: the gates ride in up_weight)
         self.num_experts = up_weight.shape[0]
 
     def with_weights(self, up_weight: torch.Tensor, down_weight: torch.Tensor) -> "WeightExperts":
@@ -41,10 +44,10 @@ class WeightExperts:
         return WeightExperts(up_weight, down_weight, self.up_bias, self.down_bias, self.transposed, self.unit,
                              self.gate_fn, self.activation, self.post_fn)
 
-    def gated(self, dtype: torch.dtype) -> GatedWeights:
-        """The gated experts' matrices (already in the call's dtype)."""
-        return GatedWeights(self.up_weight, self.down_weight, None, self.up_bias, self.down_bias, self.transposed,
-                            self.unit)
+    def gated(self, dtype: torch.dtype) -> "WeightExperts":
+        """The gated experts' matrices (already in the call's dtype): this object, which has
+        GatedWeights' fields."""
+        return self
 
     def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
@@ -105,7 +108,9 @@ class Work:
     """One call of a path: what the caller gives (the tokens, the routing, the experts, the switches
     the stages read) and what the stages hand each other (the plan, the rows, the outputs).  A
     path's prepare, experts and finalize stages read and set its attributes in turn; ``y`` is the
-    call's [T, O] result."""
+    call's [T, O] result.  (Slots, not a dict: one is made per call.)"""
+    __slots__ = ("x", "experts", "expert_ids", "weights", "crit", "routing", "at_combine", "dropless",
+                 "megablocks_size", "dtype", "plan", "rows", "out", "y", "features")
 
     def __init__(self, x: torch.Tensor, experts, *, expert_ids: Optional[torch.Tensor] = None,
                  weights: Optional[torch.Tensor] = None, crit: Any = None, routing: Any = None,

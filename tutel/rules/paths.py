@@ -57,7 +57,7 @@ FACTS: Dict[str, str] = {
                      "operator call (no post-expert function, weights in the tokens' dtype)",
     "experts_in_pieces": "layer: the experts offer grouped_products (their products on grouped rows)",
     "experts_grouped": "layer: the experts offer forward_grouped (grouped rows through autograd)",
-    "rows_fit_one_call": "tokens x k choices fit one operator call (routed.fits_one_call)",
+    "rows_fit_one_call": "tokens x k choices fit one operator call (tutel.paths.facts.fits_one_call)",
     "decode_kernel": "tutel's decode_experts kernels take the call: CUDA, up to 32 tokens and 256 choices, "
                      "within the line measured for the GPU and dtype (tutel.ops.decode_experts."
                      "decode_experts_supported)",

@@ -15,6 +15,13 @@ from .module_experts import module_experts
 def _check_call(module: torch.nn.Module, width: int, hidden_states, top_k_index, top_k_weights) -> None:
     """The call's arguments, with the module class in the message (the module's own tensors were
     checked when its layout was read)."""
+    if isinstance(hidden_states, torch.Tensor) and isinstance(top_k_index, torch.Tensor) and \
+            isinstance(top_k_weights, torch.Tensor) and hidden_states.dim() == 2 and top_k_index.dim() == 2 and \
+            top_k_weights.shape == top_k_index.shape and top_k_index.shape[0] == hidden_states.shape[0] and \
+            hidden_states.shape[1] == width and hidden_states.is_floating_point() and \
+            top_k_weights.is_floating_point() and not top_k_index.is_floating_point() and \
+            not top_k_index.is_complex() and top_k_index.dtype != torch.bool:
+        return  # (every call: the messages are built only for a call that fails)
     where = f'experts_implementation="tutel": {type(module).__name__}'
     for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
@@ -30,8 +37,7 @@ def _check_call(module: torch.nn.Module, width: int, hidden_states, top_k_index,
     if not hidden_states.is_floating_point() or not top_k_weights.is_floating_point():
         raise TypeError(f"{where}: `hidden_states` and `top_k_weights` must be floating point, got "
                         f"{hidden_states.dtype} and {top_k_weights.dtype}")
-    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
-        raise TypeError(f"{where}: `top_k_index` must hold integer expert ids, got {top_k_index.dtype}")
+    raise TypeError(f"{where}: `top_k_index` must hold integer expert ids, got {top_k_index.dtype}")
 
 
 def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
