@@ -657,7 +657,8 @@ timed after reading a large buffer, the cold caches of a decoding step.
   up from 64-128 rows).  A whole cold moe_layer call at one token (bf16, each call after a 600 MB
   read, interleaved): DeepSeek-like 2.35 -> 2.21 ms, Qwen3-like 3.29 -> 3.03, together with
   `_compute_dtype` reading the experts' own parameters before walking the module tree.
-* **Two calls** (`tutel/impls/inference_path.py`).  Building Tutel's crit tuple, normalizing the
+* **Two calls** (the `layer_in_two_calls` path, `tutel.ops.direct.route_without_grad`).  Building
+  Tutel's crit tuple, normalizing the
   gates, the GShard loss and the capacity in a dozen small operators, then turning the lists back
   into [k, T] tables, took 0.6 of the 1.9 ms of a cold one-token DeepSeek-like bfloat16 call.  Cold
   calls on the Intel Xeon, interleaved with the general forward: one token, bfloat16, Qwen3-like

@@ -73,7 +73,7 @@ fi
 if wanted build; then
     TAIL_LINES=20 step build 420 env TUTEL_WITH_CUDA=1 MAX_JOBS="$(nproc)" "$py" setup.py -q build_ext --inplace \
         || { echo "the build failed: nothing else runs"; exit 1; }
-elif ! "$py" -c "import sys; from tutel._extension import load_extension; sys.exit(0 if load_extension().with_cuda else 1)" \
+elif ! "$py" -c "import sys, tutel.cuda; sys.exit(0 if tutel.cuda.is_built() else 1)" \
         >"${out}/extension.log" 2>&1; then
     echo "no build step, and the extension built in place has no CUDA operators (${out}/extension.log): add build to TUTEL_GPU_STEPS"
     exit 1

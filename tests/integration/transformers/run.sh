@@ -30,7 +30,7 @@ TEST_TIMEOUT="${TUTEL_TRANSFORMERS_TEST_TIMEOUT:-420}"
 TESTS=(tests/python/integrations/test_transformers_registration.py
        tests/python/integrations/test_transformers_layouts.py
        tests/python/integrations/test_transformers_families.py
-       tests/python/integrations/test_transformers_one_call.py
+       tests/python/integrations/test_transformers_module_experts.py
        tests/python/integrations/test_transformers_compile.py
        tests/python/integrations/test_transformers_docs.py
        tests/python/integrations/test_transformers_versions.py
