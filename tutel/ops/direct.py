@@ -4,8 +4,7 @@ Why a direct call exists: at decoding sizes (a few tokens, small experts) the fi
 call (the Python checks, the autograd.Function, the dispatcher) is as large as the operator's
 own work, so the paths that run without autograd call these instead.  The functions here check
 nothing in Python: their arguments must come from tutel's own plans (a RoutingPlan of
-tutel.experts.routed, the routing of tutel.impls), whose shapes, dtypes and devices tutel made
-itself.  Anything else goes through the public wrappers (tutel.ops.encode / decode, ...).  The
+tutel.paths.plans, the layer's routing), whose shapes, dtypes and devices tutel made itself.  Anything else goes through the public wrappers (tutel.ops.encode / decode, ...).  The
 C++ operators keep their own checks either way.
 
 Three names are bound to compiled callables rather than defined here:

@@ -83,7 +83,7 @@ class _CopyChoiceRows(torch.autograd.Function):
 
 
 def encode_grouped(x: torch.Tensor, slot_choices: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
-    """The grouped rows of a routing plan (tutel.experts.routed.RoutingPlan) copied from the tokens:
+    """The grouped rows of a routing plan (tutel.paths.plans.RoutingPlan) copied from the tokens:
     row s is ``x[slot_choices[s] // k]``, one launch of tutel's ``choice_rows`` (``encode`` with
     ``indices=None`` takes two: it must first find which choice names each slot, which the plan's
     ``slot_choices`` already say).  Differentiable in `x`: each token's gradient is the sum of its
