@@ -21,7 +21,10 @@ For the distributed tests (collectives here; the MoE layer's tests can use it th
   with ``init_gloo()`` below (tutel.system.init_data_model_parallel(backend='gloo')).
 * A rank whose function raises prints the traceback and exits at once with status
   1, so its peers fail quickly (their collectives lose the connection) instead of
-  waiting for the timeout.
+  waiting for the timeout.  A rank whose function returns exits at once too, with
+  status 0, past the interpreter's teardown: PyTorch 2.6's gloo can hang there,
+  destroying process groups after every check passed (the tests check what the
+  function does, not how PyTorch tears its groups down).
 * The whole launch is killed after ``timeout`` seconds (``result.timed_out``).
 * Output goes to files (no pipe can fill up); ``result.ranks[r].stdout/.stderr``.
 * A launch whose rank 0 could not bind the port (another program took it) is
@@ -228,13 +231,15 @@ def _worker_main(argv: List[str]) -> None:
     for path in (HERE, REPO_ROOT):
         if path not in sys.path:
             sys.path.insert(0, path)
+    status = 0
     try:
         getattr(importlib.import_module(module_name), function_name)(*args)
     except BaseException:  # report anything, then leave at once so that the peers fail fast
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
