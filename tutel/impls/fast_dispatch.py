@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from ..ops.checks import (
+    as_slot_tensor,
     require_dim,
     require_finite_number,
     require_floating,
@@ -23,12 +24,18 @@ from ..ops.checks import (
 from ..ops.routing import route_topk_unchecked
 from ..ops.tracing import is_compiling
 from ..paths.plans import choice_rows
-from ..paths.slots import as_expert_buffer, fast_decode, fast_encode, tutel_slot_table
 from . import losses
 from ..rules.capacity import expert_capacity, realtime_capacity_factor
 from ..collectives import all_reduce_max_int, get_world_rank
 
 logger = logging.getLogger("tutel")
+
+# Tutel's dispatch kernels skip a choice whose expert index is negative, and
+# DeepSpeed's gates mark the tokens they drop that way (index -1, location 0,
+# gate 0).  The operators know one "dropped" marker only, location >= capacity,
+# so such a choice is moved to expert 0 at a location no capacity reaches.
+_UNREACHABLE_LOCATION = torch.iinfo(torch.int32).max
+
 
 class CriticalData(NamedTuple):
     """Routing metadata of one MoE call; unpacks and indexes like Tutel's crit tuple."""
@@ -123,9 +130,71 @@ def route_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable]
     return crit, l_aux
 
 
+def tutel_slot_table(indices_, locations_, where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int32 [k, T] (indices, locations) from Tutel-style lists of k [T] tensors (or [k, T] tensors).
+
+    A negative expert index marks a choice that is not dispatched (as in Tutel);
+    it reads and writes nothing and gets no gate gradient, like a choice whose
+    location is >= capacity.
+    """
+    indices = as_slot_tensor(indices_, "indices_", where)
+    locations = as_slot_tensor(locations_, "locations_", where)
+    if indices.shape != locations.shape:
+        raise ValueError(f"{where}: `indices_` and `locations_` must describe the same [k, tokens] choices, "
+                         f"got shapes {tuple(indices.shape)} and {tuple(locations.shape)}")
+    not_dispatched = indices < 0
+    return indices.clamp(min=0), torch.where(not_dispatched, _UNREACHABLE_LOCATION, locations)
+
+
 def get_dispatch_count(critical_data) -> torch.Tensor:
     """Per-expert routed-choice counts of a crit tuple (before capacity truncation)."""
     return critical_data[-1]
+
+
+def fast_encode(data: torch.Tensor, critical_data, is_postscore: bool = True) -> torch.Tensor:
+    """Dispatches [T, M] tokens into the [E, C, M] expert buffer described by ``critical_data``.
+
+    With ``is_postscore=False`` the gates are applied here; otherwise at decode.
+    """
+    # unpacked, not sliced (critical_data[:5]): PyTorch 2.6's torch.compile fails on a named tuple's slice
+    num_experts, indices_s, locations_s, gates_s, capacity, *_ = critical_data
+    indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_encode")
+    data = data.reshape(-1, data.shape[-1]) if data.dim() > 2 else data
+    return ops.encode(data, indices, locations, num_experts, capacity,
+                      gates=None if is_postscore else gates_s)
+
+
+def fast_decode(data: torch.Tensor, critical_data, is_postscore: bool = True) -> torch.Tensor:
+    """Combines an [E, C, M] (or [E*C, M]) expert buffer back into [T, M] tokens.
+
+    With ``is_postscore=True`` (default) the gates weight the expert outputs here.
+    """
+    num_experts, indices_s, locations_s, gates_s, capacity, *_ = critical_data
+    indices, locations = tutel_slot_table(indices_s, locations_s, "tutel.moe.fast_decode")
+    capacity = require_int(capacity, "capacity", "tutel.moe.fast_decode")
+    return ops.decode(_as_expert_buffer(data, num_experts, capacity, "tutel.moe.fast_decode"), indices, locations,
+                      gates=gates_s if is_postscore else None)
+
+
+def _as_expert_buffer(data: torch.Tensor, num_experts: int, capacity: int, where: str) -> torch.Tensor:
+    """`data` as the [E, C, M] buffer of the routing (E experts, C slots each).
+
+    Accepts [E, C, M] or the flat [E*C, M]; any other shape raises naming both the buffer's
+    shape and the routing's experts and capacity (a buffer whose rows merely divide by E would
+    otherwise be reshaped to the wrong capacity)."""
+    require_floating(data, "data", where)
+    expected = (num_experts, capacity)
+    if data.dim() == 3:
+        fits = tuple(data.shape[:2]) == expected
+    elif data.dim() == 2:
+        fits = data.shape[0] == num_experts * capacity
+    else:
+        fits = False
+    if not fits:
+        raise ValueError(f"{where}: `data` of shape {tuple(data.shape)} is not the routing's expert buffer: the "
+                         f"routing has num_global_experts={num_experts} and capacity={capacity}, so `data` must be "
+                         f"[{num_experts}, {capacity}, M] or [{num_experts * capacity}, M]")
+    return data.reshape(num_experts, capacity, data.shape[-1])
 
 
 class TutelMoeFastDispatcher:
@@ -168,7 +237,7 @@ class TutelMoeFastDispatcher:
         return out.reshape(-1, out.shape[-1]).to(self.original_dtype)
 
     def decode(self, data: torch.Tensor) -> torch.Tensor:
-        buffer = as_expert_buffer(data.to(self.dtype), self.num_global_experts, self.capacity,
+        buffer = _as_expert_buffer(data.to(self.dtype), self.num_global_experts, self.capacity,
                                    "tutel.moe.fast_dispatcher.decode")
         out = ops.decode(buffer, self.indices_, self.locations_, gates=self.gates_ if self.is_postscore else None)
         return out.to(self.original_dtype)
@@ -194,7 +263,7 @@ class GatingDecoder:
 
     @staticmethod
     def apply(config: TutelMoeFastDispatcher, expert_output: torch.Tensor, *gates_) -> torch.Tensor:
-        buffer = as_expert_buffer(expert_output, config.num_global_experts, config.capacity,
+        buffer = _as_expert_buffer(expert_output, config.num_global_experts, config.capacity,
                                    "tutel GatingDecoder")
         return ops.decode(buffer, config.indices_, config.locations_, gates=list(gates_) if gates_ else None)
 

@@ -146,8 +146,8 @@ def decode_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         raise RuntimeError(f"{where} is for inference and has no backward, but an input requires a gradient: call "
                            "it under torch.no_grad() or torch.inference_mode(), or train with "
                            "tutel.experts.routed.routed_experts")
-    return torch.ops.tutel.decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias,
-                                          bool(transposed), *unit_scalars(unit), bool(unit.interleaved), gate_weight)
+    return decode_experts_planned(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed,
+                                  unit, gate_weight)
 
 
 def decode_experts_planned(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],

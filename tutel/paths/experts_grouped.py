@@ -4,7 +4,7 @@ from .work import Work
 
 
 def grouped_products(work: Work) -> None:
-    """``products(rows, plan)`` of the experts (tutel.paths.work.GroupedProducts, or a module's
+    """``products(rows, plan)`` of the experts (tutel.paths.work.WeightExperts, or a module's
     grouped_products) over the prepared rows."""
     products, _ = work.experts.grouped_products(work.dtype)
     work.out = products(work.rows, work.plan)

@@ -24,13 +24,8 @@ def grouped_combine(work: Work) -> None:
                             _combine_gates(work))
 
 
-def occupied_combine(work: Work) -> None:
-    """megablocks: each token's occupied rows, weighted and summed."""
-    indices, locations, _ = work.plan
-    work.y = decode_planned(work.out, indices, locations, _combine_gates(work))
-
-
 def slots_combine(work: Work) -> None:
-    """Tutel's [E, C, O] slot buffer back to the tokens."""
-    indices, locations = work.plan
-    work.y = decode_planned(work.out, indices, locations, _combine_gates(work))
+    """Tutel's [E, C, O] slot buffer (megablocks' occupied rows: one expert) back to the tokens, by
+    the [k, T] expert and slot tables the plan starts with."""
+    plan = work.plan
+    work.y = decode_planned(work.out, plan[0], plan[1], _combine_gates(work))

@@ -55,7 +55,8 @@ def planned_rows(work: Work) -> None:
 
 def occupied(work: Work) -> None:
     """megablocks: the tokens straight into the experts' occupied rows (each expert's load rounded
-    up to the block); reads the loads on the host (the shapes need them)."""
+    up to the block); reads the loads on the host (the shapes need them).  The plan: the [k, T]
+    tables of the rows as one expert, and each expert's row count."""
     crit = work.crit
     group_rows = occupied_rows(crit.dispatch_count, crit.capacity, work.megablocks_size)
     indices, locations, total = grouped_locations(crit, group_rows)

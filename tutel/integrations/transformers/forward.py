@@ -2,14 +2,14 @@
 
 transformers calls it as ``forward(self, hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k]) -> [T, H]`` with ``self`` the model's experts module; the router stays the
-model's own.  The module's layout is read once per state of the module (``module_experts``);
-routing metadata, dispatch, the grouped expert GEMMs and the combine run in tutel's routed experts
-(``tutel.experts.routed.run_routed``, on tutel.paths).
+model's own.  The module's layout is read once per state of the module
+(``module_experts.kept_layout``); routing metadata, dispatch, the grouped expert GEMMs and the combine
+run in tutel's routed experts (``tutel.experts.routed.run_routed``, on tutel.paths).
 """
 import torch
 
 from ...experts.routed import run_routed
-from .module_experts import module_experts
+from .module_experts import kept_layout
 
 
 def _check_call(module: torch.nn.Module, width: int, hidden_states, top_k_index, top_k_weights) -> None:
@@ -57,7 +57,7 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
     Raises:
         UnsupportedExpertsLayout: the module's flags describe experts tutel cannot run.
     """
-    read = module_experts(self)
+    read = kept_layout(self)
     _check_call(self, read.model_dim, hidden_states, top_k_index, top_k_weights)
     weights = top_k_weights
     if read.expert_parallel:

@@ -25,7 +25,7 @@ from .layout import ExpertsLayout, read_layout
 _SCALARS_AND_FUNCTIONS = ("num_experts", "alpha", "limit", "act_fn")
 
 
-class ModuleExperts:
+class KeptLayout:
     """What a module's layout gives a call: its tensors (by weak reference where the layout is kept:
     a kept layout must not keep replaced weights alive), the rules between its products, and its
     sizes."""
@@ -66,7 +66,7 @@ class _Entry:
     def __init__(self):
         self.key: Optional[Tuple[int, ...]] = None
         self.guards: tuple = ()
-        self.read: Optional[ModuleExperts] = None
+        self.read: Optional[KeptLayout] = None
 
     def __reduce__(self):
         return _Entry, ()
@@ -99,11 +99,11 @@ def _cacheable(module: torch.nn.Module, layout: ExpertsLayout) -> bool:
                    for name in _SCALARS_AND_FUNCTIONS)
 
 
-def module_experts(module: torch.nn.Module) -> ModuleExperts:
-    """The experts of `module` (a transformers experts module), from its kept layout while the module
-    holds the objects it was read from.  Raises UnsupportedExpertsLayout (read_layout's)."""
+def kept_layout(module: torch.nn.Module) -> KeptLayout:
+    """The layout of `module` (a transformers experts module), kept while the module holds the
+    objects it was read from.  Raises UnsupportedExpertsLayout (read_layout's)."""
     if torch.compiler.is_compiling():  # traced once: the layout read in the trace, nothing kept
-        return ModuleExperts(read_layout(module), weak=False)
+        return KeptLayout(read_layout(module), weak=False)
     attributes = module.__dict__
     entry = attributes.get(_ENTRY)
     if entry is None:  # (set before _held reads the attributes, so that it is one of them from the start)
@@ -114,7 +114,7 @@ def module_experts(module: torch.nn.Module) -> ModuleExperts:
         return entry.read
     entry.key = None
     layout = read_layout(module)
-    read = ModuleExperts(layout, entry.forget)
+    read = KeptLayout(layout, entry.forget)
     if _cacheable(module, layout):
         entry.read = read
         entry.guards = tuple(weakref.ref(o, entry.forget) if isinstance(o, torch.Tensor) else o for o in held)
