@@ -1,30 +1,16 @@
 """benchmarks/host_cost.py runs (--quick, without Tutel 0.3.3 beside) and writes JSON that parses,
-with every case counted on every device it names; its targets are judged, its table goes between
-the page's markers, and a reference that is missing or does not load is a column, not a crash.
+with every case counted on every device it names; its targets are judged, benchmarks/report.py renders
+its table, and a reference that is missing or does not load is a column, not a crash.
 No timing is checked here."""
-import importlib.util
 import json
 import os
 import sys
-import types
 from typing import Iterator
 
 import pytest
 import torch
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
-
-
-def load_benchmark() -> types.ModuleType:
-    """benchmarks/host_cost.py as a fresh module (benchmarks/ on sys.path for its own imports)."""
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_host_cost", os.path.join(BENCHMARKS_DIR,
-                                                                                           "host_cost.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from host_calls import BENCHMARKS_DIR, load_host_cost_benchmark as load_benchmark
 
 
 @pytest.fixture
