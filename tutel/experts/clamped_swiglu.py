@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..ops import expert_linear
+from ..ops.linear import linear_of_experts
 from ..ops.gated_units import GatedUnit, gated_unit
 from ._grouped import flatten_features, run_padded
 from .sharding import _gather_over
@@ -101,8 +101,8 @@ class ClampedSwiGLUExperts(torch.nn.Module):
 
     def _mlp(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
         w_gu, b_gu, w_down, b_down = self.weights_for(ctx)
-        gate_up = expert_linear(h, w_gu, b_gu, group_rows=group_rows)
-        return expert_linear(self.activate(gate_up), w_down, b_down, group_rows=group_rows)
+        gate_up = linear_of_experts(h, w_gu, b_gu, False, group_rows)
+        return linear_of_experts(self.activate(gate_up), w_down, b_down, False, group_rows)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         return run_padded(x, ctx, lambda h, group_rows: self._mlp(h, ctx, group_rows), self.model_dim,

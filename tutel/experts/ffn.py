@@ -6,7 +6,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..ops import expert_linear
+from ..ops.linear import linear_of_experts
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import widened
 from ._grouped import flatten_features, run_padded
@@ -98,12 +98,12 @@ class FusedExpertsNetwork(torch.nn.Module):
     def _mlp(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
         """The two linear layers on [L, C, M] (or grouped [N, M] rows with `group_rows`)."""
         fc1_w, fc2_w, fc1_b, fc2_b = self.weights_for(ctx)
-        h = expert_linear(h, fc1_w, fc1_b, weight_transposed=True, group_rows=group_rows)
-        return expert_linear(self._activate_output(h), fc2_w, fc2_b, group_rows=group_rows)
+        h = linear_of_experts(h, fc1_w, fc1_b, True, group_rows)
+        return linear_of_experts(self._activate_output(h), fc2_w, fc2_b, False, group_rows)
 
     def _activate_output(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of the first product's output h, which nothing else keeps: the default
-        ReLU runs in place (expert_linear keeps its inputs, not its output)."""
+        ReLU runs in place (the products keep their inputs, not its output)."""
         return F.relu_(h) if self.activation_fn is None and self.activation_fn_with_self is None else self.activate(h)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:

@@ -4,7 +4,7 @@ from typing import Callable, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..ops import expert_linear
+from ..ops.linear import linear_of_experts
 from ..ops.gated_units import SWIGLU, gated_unit_pair
 from ..ops.grouped_mm import grouped_rows_mm
 from ..ops.precision import widened
@@ -54,9 +54,9 @@ class LlamaFFNNetwork(torch.nn.Module):
     def _swiglu(self, h: torch.Tensor, ctx, group_rows=None) -> torch.Tensor:
         """act(h W1) * (h W2) W3 on [L, C, M] (or grouped [N, M] rows with `group_rows`)."""
         w1, w2, w3 = self.full_weights(ctx)
-        gate = expert_linear(h, w1, group_rows=group_rows)
-        up = expert_linear(h, w2, group_rows=group_rows)
-        return expert_linear(self._gated(gate, up), w3, group_rows=group_rows)
+        gate = linear_of_experts(h, w1, None, False, group_rows)
+        up = linear_of_experts(h, w2, None, False, group_rows)
+        return linear_of_experts(self._gated(gate, up), w3, None, False, group_rows)
 
     def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up: one fused pass (forward and backward) for the default SiLU."""

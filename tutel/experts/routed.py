@@ -166,8 +166,10 @@ def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torc
         experts = experts.with_weights(up_weight, down_weight)
     elif up.dtype != x.dtype:
         x = x.to(up.dtype)
-    wide = gemm_dtype(experts.up_weight.dtype, x.device, expert_ids.numel() / experts.num_experts)
-    if wide != experts.up_weight.dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
+    dtype = experts.up_weight.dtype
+    # (gemm_dtype keeps every dtype off the CPU: asked only there)
+    wide = gemm_dtype(dtype, x.device, expert_ids.numel() / experts.num_experts) if x.device.type == "cpu" else dtype
+    if wide != dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
         x = widened(x, wide)
         experts = experts.with_weights(widened(experts.up_weight, wide), widened(experts.down_weight, wide))
     path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path

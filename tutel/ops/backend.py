@@ -127,6 +127,7 @@ class DeviceBackends:
         self._lock = threading.Lock()
         self._operators: Dict[str, SimpleNamespace] = {}
         self._choices: Dict[str, Dict[str, Choice]] = {}
+        self._unchecked: Dict[Optional[str], object] = {}  # unchecked() by TUTEL_CUDA_BACKEND's value
 
     def operators(self, device: torch.device):
         """The operators to use for tensors on `device` (choosing them on first use)."""
@@ -136,7 +137,7 @@ class DeviceBackends:
             return chosen
         if _self_check_impossible(device):
             # No check now, and no choice kept: the next eager call chooses.
-            return self._composite if requested_backend() == COMPOSITE else self._kernels
+            return self.unchecked()
         with self._lock:
             if key not in self._operators:
                 choices = self._choose(device)
@@ -145,6 +146,11 @@ class DeviceBackends:
                     name: getattr(self._kernels if choice.implementation == KERNELS else self._composite, name)
                     for name, choice in choices.items()})
             return self._operators[key]
+
+    def unchecked(self):
+        """The operators used where no check can run (tracing, capture, fake tensors): the composite
+        ones if TUTEL_CUDA_BACKEND says so, else the kernels."""
+        return self._composite if requested_backend() == COMPOSITE else self._kernels
 
     def choices(self) -> Dict[str, Dict[str, Choice]]:
         """The choices made so far: {device: {operator: Choice}}."""
@@ -155,6 +161,7 @@ class DeviceBackends:
         with self._lock:
             self._operators.clear()
             self._choices.clear()
+            self._unchecked.clear()
 
     def _choose(self, device: torch.device) -> Dict[str, Choice]:
         backend = requested_backend()
@@ -204,9 +211,21 @@ def operators_for(device: torch.device):
     ``scatter_slots`` taking the arguments of ``torch.ops.tutel``'s operators."""
     if _forced is not None:
         return _forced
-    if device.type == "cuda":
+    kind = device.type
+    if kind == "cuda":
+        # The warm cases inline (every operator of a call asks): a device whose choice is made, and
+        # fake tensors, which take the compiled operators' fake kernels unchecked.
+        chosen = CUDA_BACKENDS._operators.get(str(device))
+        if chosen is not None:
+            return chosen
+        if _FAKE_KEY is not None and _ACTIVE_MODE(_FAKE_KEY) is not None:
+            setting = os.environ.get(BACKEND_VARIABLE)
+            chosen = CUDA_BACKENDS._unchecked.get(setting)
+            if chosen is None:
+                chosen = CUDA_BACKENDS._unchecked[setting] = CUDA_BACKENDS.unchecked()
+            return chosen
         return CUDA_BACKENDS.operators(device)
-    if device.type in _COMPILED_DEVICE_TYPES:
+    if kind in _COMPILED_DEVICE_TYPES:
         return torch.ops.tutel
     return composite  # a device tutel has no compiled operators for (mps, xpu, ...)
 

@@ -207,10 +207,14 @@ def encode_planned(x: torch.Tensor, indices: Optional[torch.Tensor], locations: 
     (or None) and `locations` int32 [k, T] on x's device, `gates` None or a floating [k, T] tensor
     there.  The execution paths call it once per call, where the checks would cost more Python than
     the rest of a small call."""
-    return _Encode.apply(x, indices, locations, _readable(gates, x), num_experts, capacity)
+    if gates is not None and gates.dtype not in FLOATING_DTYPES:  # (_readable's test first: one call fewer)
+        gates = _readable(gates, x)
+    return _Encode.apply(x, indices, locations, gates, num_experts, capacity)
 
 
 def decode_planned(y: torch.Tensor, indices: Optional[torch.Tensor], locations: torch.Tensor,
                    gates: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``decode`` of an [E, C, M] buffer for the tables of tutel's own routing (see encode_planned)."""
-    return _Decode.apply(y, indices, locations, _readable(gates, y))
+    if gates is not None and gates.dtype not in FLOATING_DTYPES:  # (as encode_planned)
+        gates = _readable(gates, y)
+    return _Decode.apply(y, indices, locations, gates)

@@ -101,6 +101,13 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU, *, bias: Optiona
                          f"(gate and up values)")
     check_unit(unit, where)
     _check_grouped_bias(gate_up, bias, offsets, where)
+    return apply_gated_unit(gate_up, unit, bias, offsets)
+
+
+def apply_gated_unit(gate_up: torch.Tensor, unit: GatedUnit, bias: Optional[torch.Tensor] = None,
+                     offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """gated_unit for arguments checked already (experts check their unit when they are built, and
+    the paths make gate_up, bias and offsets themselves)."""
     if not fused_unit_on(gate_up.device):
         return gated_unit_composite(gate_up, unit, bias=bias, offsets=offsets)
     rows = gate_up.reshape(-1, gate_up.shape[-1])

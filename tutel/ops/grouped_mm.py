@@ -25,46 +25,67 @@ on the device too: no host synchronisation either way.  Only the composite fallb
 without CUDA, or ``TUTEL_CUDA_BACKEND=composite``) runs one product per expert and reads the ends
 back to the host.
 """
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .backend import cuda_capability, operators_for
-from .tracing import eager_without_grad, is_fake
+from .backend import _ACTIVE_MODE, _FAKE_KEY, cuda_capability, operators_for
+from .tracing import _FAKE_TENSOR, eager_without_grad
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    # A fake tensor has no address: its storage starts aligned, as an allocator's blocks do.
-    if (t.storage_offset() * size if is_fake(t) else t.data_ptr()) % 16:
-        return False
-    strides = t.stride()
-    if 1 not in strides[-2:]:
-        return False
-    for stride in strides:  # (a loop, not all(...): a generator costs a call per dim)
-        if stride != 1 and stride * size % 16:
-            return False
-    return True
+# Whether a CUDA device's compute capability has bfloat16 grouped_mm kernels (sm80+), by device
+# and fake mode: fixed for a device, asked by every product.
+_BF16_GROUPED: Dict[Tuple[str, bool], bool] = {}
 
 
 def grouped_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether torch.nn.functional.grouped_mm has a kernel for operands `a` and `b` here."""
-    if not hasattr(F, "grouped_mm") or a.dtype != b.dtype:
+    return _use_grouped_mm(a, b, for_rows=False)
+
+
+# Whether the CPU's products take grouped_mm too (tests take the devices' path on the CPU with it);
+# by default the CPU runs tutel's grouped operator, which beats grouped_mm there.
+_GROUPED_MM_ON_CPU = False
+
+
+def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor, for_rows: bool = True) -> bool:
+    """Whether grouped_mm has a kernel for `a` and `b` here; with `for_rows`, whether a product of
+    rows `a` by `b` runs it: at least one row, on a device (the CPU only with _GROUPED_MM_ON_CPU)."""
+    if for_rows and (a.shape[0] == 0 or (a.device.type == "cpu" and not _GROUPED_MM_ON_CPU)):
         return False
-    if a.device.type == "cpu":
-        ok = a.dtype in _CPU_DTYPES
-    elif a.device.type == "cuda":
-        ok = a.dtype == torch.bfloat16 and cuda_capability(a.device) >= (8, 0)
+    if not _HAS_GROUPED_MM or a.dtype != b.dtype:
+        return False
+    kind = a.device.type
+    if kind == "cpu":
+        if a.dtype not in _CPU_DTYPES:
+            return False
+    elif kind == "cuda" and a.dtype == torch.bfloat16:
+        key = (str(a.device), _FAKE_KEY is not None and _ACTIVE_MODE(_FAKE_KEY) is not None)
+        ok = _BF16_GROUPED.get(key)
+        if ok is None:
+            ok = _BF16_GROUPED[key] = cuda_capability(a.device) >= (8, 0)
+        if not ok:
+            return False
     else:
-        ok = False
-    return ok and _aligned(a) and _aligned(b)
-
-
-def _right(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return weight if transposed else weight.transpose(-1, -2)  # [E, K, O]
+        return False
+    # Both operands start on 16 bytes and have 16-byte strides but a unit one among their last two.
+    for t in (a, b):  # (loops, not all(...): a generator costs a call per item)
+        size = t.element_size()
+        # A fake tensor has no address: its storage starts aligned, as an allocator's blocks do.
+        if (t.storage_offset() * size if _FAKE_TENSOR is not None and isinstance(t, _FAKE_TENSOR)
+                else t.data_ptr()) % 16:
+            return False
+        strides = t.stride()
+        if 1 not in strides[-2:]:
+            return False
+        for stride in strides:
+            if stride != 1 and stride * size % 16:
+                return False
+    return True
 
 
 def _zero_tail(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -76,21 +97,17 @@ def _zero_tail(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return t.masked_fill_(rows >= offsets[-1], 0)
 
 
-def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device.type != "cpu" and a.shape[0] > 0 and grouped_mm_supports(a, b)
-
-
 def bias_costs_a_launch(rows: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
     """Whether grouped_rows_mm(rows, weight, ..., bias=) would add the bias in a launch of its own
     (beside grouped_mm, on devices) instead of inside the products (the CPU's GEMMs, the
     per-expert loop's addmm): a caller whose next kernel can take the bias for free (the gated
     unit) passes it there instead."""
-    return _use_grouped_mm(rows, _right(weight, transposed))
+    return _use_grouped_mm(rows, weight if transposed else weight.transpose(-1, -2))
 
 
 def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
              bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
-    right = _right(weight, transposed)
+    right = weight if transposed else weight.transpose(-1, -2)  # [E, K, O]
     if _use_grouped_mm(rows, right):
         out = F.grouped_mm(rows, right, offs=offsets)
         if bias is not None:  # one launch: each row's expert found in the offsets (the tail untouched)
@@ -104,7 +121,7 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
               need_rows: bool, need_weight: bool, need_bias: bool = False, zero_tail: bool = True
               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     grad = grad.contiguous()
-    right = _right(weight, transposed)
+    right = weight if transposed else weight.transpose(-1, -2)
     if _use_grouped_mm(grad, right) and grouped_mm_supports(rows, right):
         grad_rows = F.grouped_mm(grad, right.transpose(-1, -2), offs=offsets) if need_rows else None
         grad_weight = grad_bias = None

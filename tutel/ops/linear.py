@@ -24,6 +24,9 @@ from .precision import gemm_dtype, widened
 from .tracing import eager_without_grad
 
 
+_NARROW = (torch.bfloat16, torch.float16)  # the dtypes gemm_dtype may widen
+
+
 def _autocast_operands(x, weight):
     """Under autocast, the GEMM operands in autocast's dtype (what autocast does for bmm / mm,
     which the operators below run on directly); float64 is left alone, as autocast does.  The
@@ -42,7 +45,7 @@ def _autocast_operands(x, weight):
 class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_transposed):
-        right = _right_factor(weight, weight_transposed)
+        right = weight.transpose(-1, -2) if weight_transposed else weight  # (_right_factor, inline)
         if bias is None:
             out = torch.bmm(x, right)
         elif bias.dtype == x.dtype:
@@ -112,28 +115,39 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     where = "tutel.ops.expert_linear"
     require_floating(x, "x", where)
     require_dim(weight, 3, "weight", where)
-    x, weight = _autocast_operands(x, weight)
-    if x.dtype == weight.dtype and x.dim() in (2, 3):
-        rows_per_expert = x.shape[1] if group_rows is None and x.dim() == 3 else x.shape[0] / max(weight.shape[0], 1)
+    if group_rows is None:
+        require_dim(x, 3, "x", where)
+        if x.shape[0] != weight.shape[0]:
+            raise ValueError(f"{where}: `x` holds {x.shape[0]} experts but `weight` {weight.shape[0]}")
+    else:
+        require_dim(x, 2, "x", where)
+        group_rows = [int(count) for count in group_rows]
+        if len(group_rows) != weight.shape[0] or any(count < 0 for count in group_rows) or \
+                sum(group_rows) != x.shape[0]:
+            raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to "
+                             f"the {x.shape[0]} rows of `x`, got {group_rows}")
+    return linear_of_experts(x, weight, bias, weight_transposed, group_rows)
+
+
+def linear_of_experts(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      weight_transposed: bool, group_rows: Optional[List[int]]) -> torch.Tensor:
+    """expert_linear for arguments of the shapes it checks (tutel's experts modules call it with
+    their own weights on the layer's buffers; `group_rows` a list of ints)."""
+    if any_autocast():  # (a C call: _autocast_operands only where autocast is on somewhere)
+        x, weight = _autocast_operands(x, weight)
+    if x.dtype == weight.dtype and x.device.type == "cpu" and x.dtype in _NARROW:
+        rows_per_expert = x.shape[1] if group_rows is None else x.shape[0] / max(weight.shape[0], 1)
         wide = gemm_dtype(x.dtype, x.device, rows_per_expert)
         if wide != x.dtype:  # 16-bit operands on a CPU without 16-bit dot products (tutel.ops.precision)
             out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
             # The operands are already autocast's; with autocast on, the float32 call would cast
             # them straight back to 16 bits (and recurse).
             with without_autocast(x.device.type):
-                out = expert_linear(widened(x, wide), widened(weight, wide),
-                                    None if bias is None else widened(bias, wide), weight_transposed, group_rows)
+                out = linear_of_experts(widened(x, wide), widened(weight, wide),
+                                        None if bias is None else widened(bias, wide), weight_transposed, group_rows)
             return out.to(out_dtype)
     if group_rows is None:
-        require_dim(x, 3, "x", where)
-        if x.shape[0] != weight.shape[0]:
-            raise ValueError(f"{where}: `x` holds {x.shape[0]} experts but `weight` {weight.shape[0]}")
         return _BatchedLinear.apply(x, weight, bias, bool(weight_transposed))
-    require_dim(x, 2, "x", where)
-    group_rows = [int(count) for count in group_rows]
-    if len(group_rows) != weight.shape[0] or any(count < 0 for count in group_rows) or sum(group_rows) != x.shape[0]:
-        raise ValueError(f"{where}: `group_rows` must hold {weight.shape[0]} non-negative counts summing to the "
-                         f"{x.shape[0]} rows of `x`, got {group_rows}")
     if x.device.type != "cpu" or (bias is not None and bias.dtype != x.dtype):
         # Off the CPU: grouped_rows_mm (grouped_mm where PyTorch has it for these operands, else
         # tutel's grouped kernels); a wider bias (autocast) is added after the product.

@@ -18,7 +18,7 @@ def eager_without_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """True when nothing is traced and no gradient flows to any of `tensors` (None entries
     allowed): the operators may then be called directly, without the custom-op dispatch and
     autograd wrappers, whose cost matches a decoding step's arithmetic on small experts."""
-    if is_compiling():
+    if _COMPILER_IS_COMPILING is not None and _COMPILER_IS_COMPILING():  # (is_compiling, inline)
         return False
     if torch.is_grad_enabled():
         for t in tensors:  # (a loop, not any(...): a generator costs a call per tensor)

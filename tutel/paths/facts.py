@@ -6,7 +6,7 @@ from typing import Dict, Optional
 import torch
 
 from ..ops.decode_experts import decode_experts_supported
-from ..ops.tracing import direct_call_allowed, is_compiling
+from ..ops.tracing import _COMPILER_IS_COMPILING, direct_call_allowed, is_compiling
 from ..rules.autocast import any_autocast, autocast_dtype
 from ..rules.lines import MIN_PIECE_ROWS
 from .work import WeightExperts
@@ -75,7 +75,7 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
         "device": device,
         "gradient": torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weights, up, down, experts.up_bias, experts.down_bias)),
-        "traced": is_compiling(),
+        "traced": _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING()),  # (is_compiling, inline)
         "gated_experts": experts.unit is not None and experts.post_fn is None and down.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
         # (decode_experts_supported is False off CUDA: not asked there)

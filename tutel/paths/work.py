@@ -5,7 +5,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops.gated_units import SWIGLU, GatedUnit, gated_unit
+from ..ops.gated_units import SWIGLU, GatedUnit, apply_gated_unit
 from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm
 
 
@@ -65,8 +65,8 @@ class WeightExperts:
         hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
                                  self.up_bias if unit_bias is None else None, zero_tail=False)
         if self.unit is not None:
-            hidden = gated_unit(hidden, self.unit, bias=None if unit_bias is None else unit_bias.to(hidden.dtype),
-                                offsets=None if unit_bias is None else plan.offsets)
+            hidden = apply_gated_unit(hidden, self.unit, None if unit_bias is None else unit_bias.to(hidden.dtype),
+                                      None if unit_bias is None else plan.offsets)
         elif self.gate_fn is not None:
             hidden = self.gate_fn(hidden)
         else:

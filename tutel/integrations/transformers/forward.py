@@ -12,16 +12,9 @@ from ...experts.routed import run_routed
 from .module_experts import kept_layout
 
 
-def _check_call(module: torch.nn.Module, width: int, hidden_states, top_k_index, top_k_weights) -> None:
-    """The call's arguments, with the module class in the message (the module's own tensors were
-    checked when its layout was read)."""
-    if isinstance(hidden_states, torch.Tensor) and isinstance(top_k_index, torch.Tensor) and \
-            isinstance(top_k_weights, torch.Tensor) and hidden_states.dim() == 2 and top_k_index.dim() == 2 and \
-            top_k_weights.shape == top_k_index.shape and top_k_index.shape[0] == hidden_states.shape[0] and \
-            hidden_states.shape[1] == width and hidden_states.is_floating_point() and \
-            top_k_weights.is_floating_point() and not top_k_index.is_floating_point() and \
-            not top_k_index.is_complex() and top_k_index.dtype != torch.bool:
-        return  # (every call: the messages are built only for a call that fails)
+def _reject_call(module: torch.nn.Module, width: int, hidden_states, top_k_index, top_k_weights) -> None:
+    """Raises for a call the forward's inline check rejects, naming the argument and the module class (the
+    module's own tensors were checked when its layout was read)."""
     where = f'experts_implementation="tutel": {type(module).__name__}'
     for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
@@ -58,7 +51,15 @@ def tutel_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
         UnsupportedExpertsLayout: the module's flags describe experts tutel cannot run.
     """
     read = kept_layout(self)
-    _check_call(self, read.model_dim, hidden_states, top_k_index, top_k_weights)
+    width = read.model_dim
+    # The call's arguments, checked inline (every call; _reject_call builds the messages of one that fails).
+    if not (isinstance(hidden_states, torch.Tensor) and isinstance(top_k_index, torch.Tensor) and
+            isinstance(top_k_weights, torch.Tensor) and hidden_states.dim() == 2 and top_k_index.dim() == 2 and
+            top_k_weights.shape == top_k_index.shape and top_k_index.shape[0] == hidden_states.shape[0] and
+            hidden_states.shape[1] == width and hidden_states.is_floating_point() and
+            top_k_weights.is_floating_point() and not top_k_index.is_floating_point() and
+            not top_k_index.is_complex() and top_k_index.dtype != torch.bool):
+        _reject_call(self, width, hidden_states, top_k_index, top_k_weights)
     weights = top_k_weights
     if read.expert_parallel:
         # Choices owned by other processes: routed experts already skip ids outside [0, E); the
