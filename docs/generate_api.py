@@ -34,6 +34,8 @@ SECTIONS = [
       "ExpertCoverageError", "ShapeError"]),
     ("tutel.torch_versions — the PyTorch releases supported", "tutel.torch_versions",
      ["check_supported", "is_supported", "release", "UnsupportedTorchVersion"]),
+    ("tutel.ops — Tutel's fast gating calls", "tutel.ops.tutel_gating_calls",
+     ["qwen3_moe_scaled_topk", "deepseek_moe_sigmoid_scaled_topk", "kimi_moe_sigmoid_scaled_topk"]),
     ("tutel.ops.host_buffers — the CPU operators' buffer cache", "tutel.ops.host_buffers",
      ["cached_buffer_stats", "release_cached_buffers", "set_cached_buffer_limit"]),
     ("tutel.ops.decode_experts — routed gated experts at decoding sizes", "tutel.ops.decode_experts",

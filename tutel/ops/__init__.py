@@ -17,14 +17,19 @@ from .cumsum import cumsum_sub_one  # noqa: E402
 from .dispatch import decode, encode, encode_grouped  # noqa: E402
 from .linear import expert_linear  # noqa: E402
 from .routing import RoutingResult, assign_locations, route_topk  # noqa: E402
+from .tutel_gating_calls import (deepseek_moe_sigmoid_scaled_topk, kimi_moe_sigmoid_scaled_topk,  # noqa: E402
+                                 qwen3_moe_scaled_topk)
 
 __all__ = [
     "RoutingResult",
     "assign_locations",
     "cumsum_sub_one",
     "decode",
+    "deepseek_moe_sigmoid_scaled_topk",
     "encode",
     "encode_grouped",
     "expert_linear",
+    "kimi_moe_sigmoid_scaled_topk",
+    "qwen3_moe_scaled_topk",
     "route_topk",
 ]
