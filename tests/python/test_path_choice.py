@@ -150,6 +150,7 @@ def test_routed_experts_calls_take_the_path_the_facts_name(monkeypatch):
         return choice
 
     monkeypatch.setattr(routed_module, "choose_path", spy)
+    monkeypatch.setattr(routed_module, "_KEPT_PATHS", {})  # paths kept by earlier calls would skip the spy
     torch.manual_seed(1)
     x, ids = torch.randn(3, 8), torch.randint(0, 4, (3, 2))
     weights, up, down = torch.rand(3, 2), torch.randn(4, 12, 8), torch.randn(4, 8, 6)

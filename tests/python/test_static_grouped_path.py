@@ -7,7 +7,7 @@ tests (test_launch_budget.py) show the chooser picking it and what it launches."
 import pytest
 import torch
 
-import tutel.impls.moe_layer as moe_layer_module
+import tutel.impls.call_plans as call_plans
 from layer_harness import run_and_compare
 from test_gates_experts import llama_reference
 from test_grouped_experts import make_layer
@@ -24,7 +24,7 @@ def _force(monkeypatch, path: Path):
         taken.append(ran is path)
         return original(ran, work)
 
-    monkeypatch.setattr(moe_layer_module, "choose_layer_path", lambda *args: PathChoice(path, "forced by the test"))
+    monkeypatch.setattr(call_plans, "choose_layer_path", lambda *args: PathChoice(path, "forced by the test"))
     monkeypatch.setattr(layer_paths, "run", recording)
     return taken
 

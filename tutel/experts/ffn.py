@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.linear import linear_of_experts
-from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.grouped_mm import grouped_rows_mm, grouped_rows_mm_eager
 from ..ops.precision import widened
+from ..ops.tracing import eager_without_grad
 from ._grouped import flatten_features, run_padded
 
 
@@ -134,10 +135,12 @@ class FusedExpertsNetwork(torch.nn.Module):
         fc2_b = None if fc2_b is None else widened(fc2_b, dtype)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
-            # Only the plan's kept rows are read back (zero_tail=False).
-            h = grouped_rows_mm(rows, fc1_w, plan.offsets, bias=fc1_b, zero_tail=False)
-            return grouped_rows_mm(self._activate_output(h), fc2_w, plan.offsets, transposed=True, bias=fc2_b,
-                                   zero_tail=False)
+            # Only the plan's kept rows are read back (zero_tail=False).  The products skip the custom
+            # operator where nothing records or traces (asked once).
+            product = grouped_rows_mm_eager if eager_without_grad(rows, fc1_w, fc2_w, fc1_b, fc2_b) \
+                else grouped_rows_mm
+            h = product(rows, fc1_w, plan.offsets, False, fc1_b, zero_tail=False)
+            return product(self._activate_output(h), fc2_w, plan.offsets, True, fc2_b, zero_tail=False)
 
         return run, fc1_w.shape[1] * fc1_w.element_size()
 

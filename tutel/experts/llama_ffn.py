@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.linear import linear_of_experts
-from ..ops.gated_units import SWIGLU, gated_unit_pair
-from ..ops.grouped_mm import grouped_rows_mm
+from ..ops.gated_units import SWIGLU, apply_gated_unit_pair
+from ..ops.grouped_mm import grouped_rows_mm, grouped_rows_mm_eager
 from ..ops.precision import widened
+from ..ops.tracing import eager_without_grad
 from ._grouped import flatten_features, run_padded
 
 
@@ -61,7 +62,7 @@ class LlamaFFNNetwork(torch.nn.Module):
     def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up: one fused pass (forward and backward) for the default SiLU."""
         if self.activation_fn is F.silu:
-            return gated_unit_pair(gate, up, SWIGLU)
+            return apply_gated_unit_pair(gate, up, SWIGLU)
         return self.activation_fn(gate) * up
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
@@ -93,6 +94,8 @@ class LlamaFFNNetwork(torch.nn.Module):
     def _weights_in(self, ctx, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The call's three weights in `dtype` (tutel.ops.precision.widened)."""
         w1, w2, w3 = self.full_weights(ctx)
+        if w1.dtype == w2.dtype == w3.dtype == dtype:  # (the common case, without three calls)
+            return w1, w2, w3
         return widened(w1, dtype), widened(w2, dtype), widened(w3, dtype)
 
     def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
@@ -102,10 +105,12 @@ class LlamaFFNNetwork(torch.nn.Module):
         w1, w2, w3 = self._weights_in(ctx, dtype)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
-            # Only the plan's kept rows are read back: the rows past them are left unspecified.
-            gate = grouped_rows_mm(rows, w1, plan.offsets, transposed=True, zero_tail=False)
-            hidden = self._gated(gate, grouped_rows_mm(rows, w2, plan.offsets, transposed=True, zero_tail=False))
-            return grouped_rows_mm(hidden, w3, plan.offsets, transposed=True, zero_tail=False)
+            # Only the plan's kept rows are read back: the rows past them are left unspecified.  The
+            # products skip the custom operator where nothing records or traces (asked once).
+            product = grouped_rows_mm_eager if eager_without_grad(rows, w1, w2, w3) else grouped_rows_mm
+            gate = product(rows, w1, plan.offsets, True, zero_tail=False)
+            hidden = self._gated(gate, product(rows, w2, plan.offsets, True, zero_tail=False))
+            return product(hidden, w3, plan.offsets, True, zero_tail=False)
 
         return run, 2 * self.hidden_size_per_expert * w1.element_size()
 

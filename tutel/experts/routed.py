@@ -33,16 +33,18 @@ by ``torch.compile(fullgraph=True)`` (the grouped products are one opaque operat
 ``tutel.ops.grouped_mm.grouped_rows_mm``).  On CUDA a call is a handful of kernels with nothing
 read back to the host, so CUDA graphs capture it: tutel's ``group_by_expert`` (the choices sorted by
 expert, two launches), the grouped rows' copy, PyTorch's ``grouped_mm`` for the products (bfloat16
-with 16-byte aligned rows, where it has a kernel; tutel's tiled grouped kernels for other dtypes
-and odd feature sizes, which read the group ends on the device too), tutel's fused gated unit and
-the weighted combine; inference of up to 32 tokens is instead one call of tutel's ``decode_experts``
-(``tutel.ops.decode_experts``), which reads each chosen expert's matrices once.  On a CPU without
+with 16-byte aligned rows, where it has a kernel; tutel's tiled grouped kernels for odd feature
+sizes, and for other dtypes under graph capture or torch.compile, which read the group ends on the
+device too), tutel's fused gated unit and the weighted combine; inference of up to 32 tokens is
+instead one call of tutel's ``decode_experts`` (``tutel.ops.decode_experts``), which reads each
+chosen expert's matrices once.  Eager float16 / float32 / float64 calls read the group ends back
+once and run one cuBLAS product per busy expert (``tutel.ops.per_expert_mm``).  On a CPU without
 native 16-bit dot products, 16-bit data is multiplied in float32 once experts average enough rows
 (``tutel.ops.precision``); the result keeps x's dtype either way.  On CPU without autograd, gated
 experts (``gate``, no ``post_fn``) run in one call of tutel's ``routed_gated_experts`` operator.
 ``tutel.rules.paths`` chooses among these and ``tutel.paths`` runs them.
 """
-from typing import Callable, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 
@@ -51,8 +53,9 @@ from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit
 from ..ops.precision import gemm_dtype, widened
 from ..paths import WeightExperts, Work, run
 from ..paths.facts import experts_facts
+from ..paths.settled import settled_state
 from ..rules.autocast import any_autocast, autocast_dtype
-from ..rules.paths import EXPERTS, choose_path
+from ..rules.paths import EXPERTS, Path, choose_path
 
 SWIGLU = "swiglu"
 GATES = (SWIGLU,)
@@ -172,5 +175,21 @@ def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torc
     if wide != dtype:  # 16-bit data on a CPU without 16-bit dot products (tutel.ops.precision)
         x = widened(x, wide)
         experts = experts.with_weights(widened(experts.up_weight, wide), widened(experts.down_weight, wide))
-    path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
+    state = settled_state()
+    if state is None:
+        path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
+    else:  # an inference call: the path of the facts' inputs, kept (tutel.paths.settled)
+        key = (state, x.device, x.dtype, x.shape[0], expert_ids.shape[1], expert_ids.numel(), experts.num_experts,
+               experts.unit is not None, experts.post_fn is None, experts.down_weight.dtype)
+        path = _KEPT_PATHS.get(key)
+        if path is None:
+            if len(_KEPT_PATHS) >= _MAX_KEPT_PATHS:
+                _KEPT_PATHS.clear()
+            path = _KEPT_PATHS[key] = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
     return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(out_dtype)
+
+
+# The paths of inference calls by what their facts read (run_routed); bounded, as prefills of
+# ever-new token counts each add one.
+_KEPT_PATHS: Dict[tuple, Path] = {}
+_MAX_KEPT_PATHS = 1024

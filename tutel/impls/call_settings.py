@@ -13,7 +13,7 @@ import torch
 
 from ..gates.scoring import check_top_k
 from ..ops.checks import require_finite_number, require_int, require_tensor, require_top_k
-from ..rules.capacity import expert_capacity
+from ..rules.capacity import capacity_alignment, expert_capacity
 
 SWITCHES = ("gate_index", "capacity_factor", "top_k", "a2a_ffn_overlap_degree", "adaptive_r", "megablocks_size")
 
@@ -28,6 +28,9 @@ class CallSettings:
     overlap: int          # a2a_ffn_overlap_degree
     adaptive_r: int
     megablocks_size: int  # 0 when the grouped path is off (or cannot run on several processes)
+    alignment: int = 1    # the multiple the capacity rounds up to (tutel.rules.capacity.capacity_alignment)
+    # capacity_factor > 0: the capacity of the call's token count (None when the count is not given)
+    static_capacity: Optional[int] = None
 
 
 def resolve_switches(layer, where: str, gate_index: int = 0, capacity_factor: Optional[float] = None,
@@ -71,7 +74,11 @@ def resolve_switches(layer, where: str, gate_index: int = 0, capacity_factor: Op
     megablocks_size = require_int(megablocks_size, "megablocks_size", where, minimum=0)
     if megablocks_size > 0 and layer.world_size > 1:
         megablocks_size = 0  # the grouped path needs every expert's load on this process
-    return CallSettings(gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size)
+    alignment = capacity_alignment(layer.sharded_count, overlap, megablocks_size)
+    static_capacity = None
+    if capacity_factor > 0 and tokens is not None:
+        static_capacity = expert_capacity(capacity_factor, top_k, tokens, num_experts, alignment=alignment)
+    return CallSettings(gate, top_k, capacity_factor, overlap, adaptive_r, megablocks_size, alignment, static_capacity)
 
 
 def require_layer_input(layer, input: Any, reserve_dims: Any, where: str) -> int:

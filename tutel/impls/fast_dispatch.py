@@ -99,9 +99,10 @@ def route_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable]
                    normalize_gate: bool = True, alignment: int = 1, group=None,
                    inequivalent_tokens: bool = False,
                    gate_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                   ) -> Tuple[CriticalData, Optional[torch.Tensor]]:
+                   capacity: Optional[int] = None) -> Tuple[CriticalData, Optional[torch.Tensor]]:
     """extract_critical for arguments the caller has validated already (the MoE layer checks its
-    call's switches once, in tutel.impls.call_settings)."""
+    call's switches once, in tutel.impls.call_settings), with the static capacity when the caller
+    has it (capacity_factor > 0 and the same token count on every process), else None."""
     num_tokens, num_experts = int(scores.shape[0]), int(scores.shape[1])
     routing = route_topk_unchecked(scores, top_k, bool(batch_prioritized_routing))
     if loss_fn is losses.gshard_loss:  # the operator counted the first choices already
@@ -116,10 +117,11 @@ def route_critical(scores: torch.Tensor, top_k: int, loss_fn: Optional[Callable]
 
     if inequivalent_tokens:
         num_tokens = all_reduce_max_int(num_tokens, scores.device, group)
-    capacity = expert_capacity(
-        capacity_factor, top_k, num_tokens, num_experts,
-        max_load=lambda: all_reduce_max_int(int(dispatch_count.max()), scores.device, group),
-        alignment=alignment)
+    if capacity is None:
+        capacity = expert_capacity(
+            capacity_factor, top_k, num_tokens, num_experts,
+            max_load=lambda: all_reduce_max_int(int(dispatch_count.max()), scores.device, group),
+            alignment=alignment)
 
     if not is_compiling() and logger.isEnabledFor(logging.INFO) and get_world_rank(group) == 0:
         logger.info("Capacity = %d, real-time capacity-factor for top-%d = %s", capacity, top_k,

@@ -26,9 +26,11 @@ def choose_layer_path(layer, x: torch.Tensor, call: CallSettings, reserve_dims: 
 
 
 def _experts(layer, call: CallSettings, dispatch_count: torch.Tensor, reserve_shape: Sequence[int]) -> ModuleExperts:
+    # (world_size copied too: every built-in experts module reads it, and a name the context lacks
+    # costs a __getattr__ call)
     ctx = CallContext(layer, adaptive_degree=call.adaptive_r, a2a_ffn_overlap_degree=call.overlap,
                       megablocks_size=call.megablocks_size, dispatch_count=dispatch_count,
-                      local_dispatch_count=dispatch_count)
+                      local_dispatch_count=dispatch_count, world_size=layer.world_size)
     return ModuleExperts(layer, ctx, reserve_shape)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ..ops import direct
 from ..ops.route_experts import ExpertRouting, route_experts_softmax
 from ..rules.autocast import without_autocast
-from ..rules.capacity import capacity_alignment, expert_capacity
+from ..rules.capacity import expert_capacity
 from . import losses
 from .call_settings import CallSettings
 from .fast_dispatch import CriticalData, route_critical
@@ -51,9 +51,8 @@ def route_call(layer, x: torch.Tensor, call: CallSettings, sequence_length: int,
         noisy_logits = logits
         if layer.training and gate.gate_noise > 0:
             noisy_logits = logits + gate.gate_noise * torch.randn_like(logits) / num_experts
-        alignment = capacity_alignment(layer.sharded_count, call.overlap, call.megablocks_size)
         routing = dict(capacity_factor=call.capacity_factor, batch_prioritized_routing=layer.batch_prioritized_routing,
-                       alignment=alignment, group=layer.group, inequivalent_tokens=inequivalent_tokens)
+                       alignment=call.alignment, group=layer.group, inequivalent_tokens=inequivalent_tokens)
         options = getattr(gate, "routing_options", None)
         if options is not None and not options.is_default:
             bias = getattr(gate, "selection_bias", None)
@@ -72,8 +71,9 @@ def route_call(layer, x: torch.Tensor, call: CallSettings, sequence_length: int,
                 return losses.load_importance_loss(
                     F.softmax(logits, dim=1), noisy_logits.gather(1, topk_ids), num_experts,
                     gate.gate_noise, logits_wo_noise=logits, noisy_logits=noisy_logits)
+        # (the token count differs between processes with inequivalent_tokens: route_critical agrees on it)
         crit, l_aux = route_critical(scores, call.top_k, loss_fn=loss_fn, normalize_gate=layer.normalize_gate,
-                                     **routing)
+                                     capacity=None if inequivalent_tokens else call.static_capacity, **routing)
         return Routing(crit, l_aux, logits)
 
 
@@ -85,8 +85,10 @@ def planned_capacity(layer, call: CallSettings, tokens: int) -> int:
     from the shapes alone (a negative capacity_factor, capped at the largest load, does not)."""
     if call.capacity_factor == 0:
         return DROPLESS
-    alignment = capacity_alignment(layer.sharded_count, call.overlap, call.megablocks_size)
-    return expert_capacity(call.capacity_factor, call.top_k, tokens, layer.num_global_experts, alignment=alignment)
+    if call.static_capacity is not None:  # (resolved for this call's token count)
+        return call.static_capacity
+    return expert_capacity(call.capacity_factor, call.top_k, tokens, layer.num_global_experts,
+                           alignment=call.alignment)
 
 
 def route_planned(layer, x: torch.Tensor, call: CallSettings) -> Tuple[torch.Tensor, ExpertRouting]:

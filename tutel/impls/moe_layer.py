@@ -17,6 +17,7 @@ from ..rules.autocast import any_autocast, autocast_dtype
 from ..rules.paths import PathChoice
 from ..rules.placement import Placement, global_expert_count, local_expert_count, pop_local_expert_count
 from .call_context import LayerResult
+from .call_plans import forget_plans, plan_call
 from .call_settings import require_layer_input, resolve_switches
 from .config_agreement import check_same_configuration
 from .layer_config import build_experts, build_gate, gate_configs, parse_parallel_type, reject_unknown_layer_arguments, \
@@ -173,7 +174,12 @@ class MOELayer(torch.nn.Module):
                 updated += 1
         return updated
 
+    def _apply(self, fn, *args, **kwargs):
+        forget_plans(self)  # (the plans hold no parameter, but a moved layer starts afresh)
+        return super()._apply(fn, *args, **kwargs)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        forget_plans(self)
         load_moe_state(self, state_dict, prefix, args[0] if args else None)  # args[0]: local_metadata
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -221,14 +227,10 @@ class MOELayer(torch.nn.Module):
             output = input.view(input.shape)
             output.l_aux = self.l_aux = None
             return output, None
-        where = "moe_layer.forward"
-        reserve_dims = require_layer_input(self, input, reserve_dims, where)
-        call = resolve_switches(self, where, gate_index, capacity_factor, top_k, a2a_ffn_overlap_degree, adaptive_r,
-                                megablocks_size, tokens=input.numel() // self.model_dim)
+        reserve_dims, call, dtype, choice = plan_call(self, input, gate_index, capacity_factor, top_k,
+                                                      a2a_ffn_overlap_degree, reserve_dims, adaptive_r, megablocks_size)
         reserve_shape = input.shape[-reserve_dims:]
-        x = input.reshape(-1, self.model_dim)
-        x = x.to(self._compute_dtype(x))
-        choice = choose_layer_path(self, x, call, reserve_dims)
+        x = input.reshape(-1, self.model_dim).to(dtype)
         # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
         sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
         result = run_path(choice.path, self, x, call, reserve_shape, sequence_length, inequivalent_tokens)
@@ -254,7 +256,7 @@ class MOELayer(torch.nn.Module):
         x = input.reshape(-1, self.model_dim)
         return choose_layer_path(self, x.to(self._compute_dtype(x, warn=False)), call, reserve_dims)
 
-    def _compute_dtype(self, x: torch.Tensor, warn: bool = True) -> torch.dtype:
+    def _compute_dtype(self, x: torch.Tensor, warn: bool = True, stacklevel: int = 4) -> torch.dtype:
         """Autocast's dtype when autocast is on, else the experts' parameter dtype (else x's).
 
         Tokens of another floating dtype than the experts' parameters are computed in the
@@ -272,7 +274,7 @@ class MOELayer(torch.nn.Module):
                         warnings.warn(f"moe_layer: the input is {x.dtype} but the experts' parameters are "
                                       f"{param.dtype}; the layer computes in {param.dtype} and returns "
                                       f"{x.dtype} (as Tutel does). Convert the layer (e.g. layer.to({x.dtype})) "
-                                      f"to compute in {x.dtype}.", UserWarning, stacklevel=4)
+                                      f"to compute in {x.dtype}.", UserWarning, stacklevel=stacklevel)
                     return param.dtype
         return x.dtype
 

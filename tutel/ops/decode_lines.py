@@ -104,6 +104,9 @@ def _by_device_and_dtype(lines: Iterable[DecodeLine]) -> LineTable:
 # Plain module caches rather than functools.lru_cache: calls traced by torch.compile read them too.
 _shipped: Optional[LineTable] = None  # the shipped file's lines, read at first use
 _lines_override: Optional[LineTable] = None  # set by lines_in_effect
+# How many times lines_in_effect changed the lines in effect: callers that keep an answer derived
+# from the lines (tutel.impls.call_plans) key it on this count.
+overrides = 0
 _capabilities: Dict[int, str] = {}  # by CUDA device index
 
 
@@ -120,13 +123,15 @@ def _lines_now() -> LineTable:
 def lines_in_effect(lines: Iterable[DecodeLine]) -> Iterator[None]:
     """Inside, `lines` are the lines in effect in place of the shipped file's (a benchmark runs the
     kernel past a measured line with no lines at all; tests set their own)."""
-    global _lines_override
+    global _lines_override, overrides
     saved = _lines_override
     _lines_override = _by_device_and_dtype(lines)
+    overrides += 1
     try:
         yield
     finally:
         _lines_override = saved
+        overrides += 1
 
 
 def device_capability(device: Union[str, torch.device]) -> Optional[str]:

@@ -4,8 +4,9 @@ import torch
 from torch.library import register_fake
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# The accumulation dtype of each data dtype: float64's own, float32 for the others (a dict, not a
+# function: the shape functions run on every traced call).
+_ACCUMULATION = {torch.float64: torch.float64}
 
 
 @register_fake("tutel::route_topk")
@@ -39,7 +40,7 @@ def _cumsum_sub_one(mask):
 
 def _dots(locations, other, dtype):
     """The dots output: [k, T] (the shape of `locations`; indices may be None) or empty."""
-    acc = _accumulation_dtype(dtype)
+    acc = _ACCUMULATION.get(dtype, torch.float32)
     if other is None:
         return locations.new_empty((0,), dtype=acc)
     return locations.new_empty(locations.shape, dtype=acc)
@@ -133,7 +134,7 @@ def _decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, dow
 def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
                    routed_scaling_factor, batch_prioritized, capacity, with_loss):
     tokens, experts = logits.shape
-    acc = _accumulation_dtype(logits.dtype)
+    acc = _ACCUMULATION.get(logits.dtype, torch.float32)
     rows = tokens * k if capacity < 0 else experts * capacity
     choices = logits.new_empty((k, tokens), dtype=torch.int32)
     return (choices, logits.new_empty((k, tokens), dtype=acc), torch.empty_like(choices),

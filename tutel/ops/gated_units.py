@@ -211,6 +211,12 @@ def gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit = SWIG
     if unit.interleaved:
         raise ValueError(f"{where}: {unit} is interleaved; separate gates and ups take interleaved=False")
     check_unit(unit, where)
+    return apply_gated_unit_pair(gate, up, unit)
+
+
+def apply_gated_unit_pair(gate: torch.Tensor, up: torch.Tensor, unit: GatedUnit) -> torch.Tensor:
+    """gated_unit_pair for arguments checked already (tutel's experts pass their own products and
+    a fixed, valid unit)."""
     if gate.dim() == 0 or not fused_unit_on(gate.device, "gated_unit_pair"):
         return _composite(gate, up, unit)
     gate_rows, up_rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])

@@ -105,8 +105,13 @@ def bias_costs_a_launch(rows: torch.Tensor, weight: torch.Tensor, transposed: bo
     return _use_grouped_mm(rows, weight if transposed else weight.transpose(-1, -2))
 
 
-def _forward(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-             bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
+def grouped_rows_mm_eager(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
+                          bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
+    """grouped_rows_mm for a call nothing records or traces (``tutel.ops.tracing.eager_without_grad``
+    of its tensors, which the caller asked once for several products): the product itself, without
+    the custom operator's dispatch.  `offsets` int32; the arguments are grouped_rows_mm's."""
+    if bias is not None and bias.dtype != rows.dtype:
+        bias = bias.to(rows.dtype)
     right = weight if transposed else weight.transpose(-1, -2)  # [E, K, O]
     if _use_grouped_mm(rows, right):
         out = F.grouped_mm(rows, right, offs=offsets)
@@ -142,7 +147,7 @@ def _backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs
 @torch.library.custom_op("tutel::grouped_rows_mm", mutates_args=())
 def _grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
                      bias: Optional[torch.Tensor] = None, zero_tail: bool = True) -> torch.Tensor:
-    return _forward(rows, weight, offsets, transposed, bias, zero_tail)
+    return grouped_rows_mm_eager(rows, weight, offsets, transposed, bias, zero_tail)
 
 
 @_grouped_rows_mm.register_fake
@@ -216,7 +221,7 @@ def grouped_rows_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     if eager_without_grad(rows, weight, bias):
         # Nothing to trace or differentiate: skip the custom operator's dispatch (a tenth of a
         # millisecond, as much as a decoding step's product of a small expert).
-        return _forward(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))
+        return grouped_rows_mm_eager(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))
     if zero_tail:  # the operator's defaults: its schema and traces stay as they were
         return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias)
     return _grouped_rows_mm(rows, weight, offsets, bool(transposed), bias, bool(zero_tail))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rules.autocast import any_autocast, autocast_dtype, without_autocast
-from ..rules.lines import TOKEN_LINEAR_MAX_ROWS  # the line and its reason: tutel/rules/lines.py
+from ..rules.lines import TOKEN_LINEAR_MAX_ROWS, UPCAST_MIN_ROWS_PER_EXPERT  # each line's reason: tutel/rules/lines.py
 from .checks import require_dim, require_floating
 from ._expert_loops import _right_factor, _weight_grad, grouped_linear_backward_loop, grouped_linear_loop  # noqa: F401
 from .grouped_mm import grouped_rows_mm
@@ -135,8 +135,10 @@ def linear_of_experts(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     their own weights on the layer's buffers; `group_rows` a list of ints)."""
     if any_autocast():  # (a C call: _autocast_operands only where autocast is on somewhere)
         x, weight = _autocast_operands(x, weight)
-    if x.dtype == weight.dtype and x.device.type == "cpu" and x.dtype in _NARROW:
-        rows_per_expert = x.shape[1] if group_rows is None else x.shape[0] / max(weight.shape[0], 1)
+    rows_per_expert = x.shape[1] if group_rows is None else x.shape[0] / max(weight.shape[0], 1)
+    # (gemm_dtype widens only 16-bit CPU operands past its line: asked only there)
+    if x.dtype == weight.dtype and x.dtype in _NARROW and x.device.type == "cpu" and \
+            rows_per_expert >= UPCAST_MIN_ROWS_PER_EXPERT:
         wide = gemm_dtype(x.dtype, x.device, rows_per_expert)
         if wide != x.dtype:  # 16-bit operands on a CPU without 16-bit dot products (tutel.ops.precision)
             out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)

@@ -6,7 +6,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, apply_gated_unit
-from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm
+from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm, grouped_rows_mm_eager
+from ..ops.tracing import eager_without_grad
 
 
 class GatedWeights(NamedTuple):
@@ -55,15 +56,20 @@ class WeightExperts:
         up = self.up_weight
         return self, (up.shape[2] if self.transposed else up.shape[1]) * up.element_size()
 
-    def __call__(self, rows: torch.Tensor, plan) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, plan, product: Optional[Callable] = None) -> torch.Tensor:
         """The rows past the kept ones hold anything (the combine and the pieces read only the kept
         rows, and their gradients flow back only into them).  The biases ride in the grouped
         products, except a gated unit's up bias where the product would add it in a launch of its
-        own (beside grouped_mm, on devices): the unit's kernel adds it instead."""
-        unit_bias = self.up_bias if self.unit is not None and self.up_bias is not None and \
+        own (beside grouped_mm, on devices): the unit's kernel adds it instead.  `product` replaces
+        grouped_rows_mm (same arguments; tutel.paths.experts_per_expert's adds the biases itself)."""
+        unit_bias = self.up_bias if product is None and self.unit is not None and self.up_bias is not None and \
             bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
-        hidden = grouped_rows_mm(rows, self.up_weight, plan.offsets, self.transposed,
-                                 self.up_bias if unit_bias is None else None, zero_tail=False)
+        if product is None:
+            # Both products without the custom operator where nothing records or traces (asked once).
+            product = grouped_rows_mm_eager if eager_without_grad(
+                rows, self.up_weight, self.down_weight, self.up_bias, self.down_bias) else grouped_rows_mm
+        hidden = product(rows, self.up_weight, plan.offsets, self.transposed,
+                         self.up_bias if unit_bias is None else None, zero_tail=False)
         if self.unit is not None:
             hidden = apply_gated_unit(hidden, self.unit, None if unit_bias is None else unit_bias.to(hidden.dtype),
                                       None if unit_bias is None else plan.offsets)
@@ -73,8 +79,7 @@ class WeightExperts:
             hidden = self.activation(hidden)
         if hidden.dtype != self.down_weight.dtype:
             hidden = hidden.to(self.down_weight.dtype)
-        out = grouped_rows_mm(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias,
-                              zero_tail=False)
+        out = product(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias, zero_tail=False)
         return out if self.post_fn is None else self.post_fn(out)
 
 

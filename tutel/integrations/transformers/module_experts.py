@@ -21,7 +21,7 @@ from ...paths import WeightExperts
 from .layout import ExpertsLayout, read_layout
 
 # What read_layout reads besides tensors and flags; cached only where each is on the instance (or,
-# for act_fn, among its submodules), where _held sees a change.
+# for act_fn, among its submodules), where kept_layout sees a change.
 _SCALARS_AND_FUNCTIONS = ("num_experts", "alpha", "limit", "act_fn")
 
 
@@ -57,10 +57,10 @@ class KeptLayout:
 
 class _Entry:
     """The layout kept on a module, in its ``__dict__`` (a reference back to the module, e.g. a
-    bound gate rule, then makes an ordinary collectable cycle).  ``key`` holds the ids of _held's
-    objects; ``guards`` keeps them from being reused: the other objects by strong reference, the
-    tensors by weak references whose death clears the key.  Copies and pickles of the module start
-    with an empty entry."""
+    bound gate rule, then makes an ordinary collectable cycle).  ``key`` holds the ids of the objects
+    kept_layout reads; ``guards`` keeps them from being reused: the other objects by strong
+    reference, the tensors by weak references whose death clears the key.  Copies and pickles of
+    the module start with an empty entry."""
     __slots__ = ("key", "guards", "read")
 
     def __init__(self):
@@ -78,17 +78,8 @@ class _Entry:
 _ENTRY = "_tutel_experts"
 
 
-def _held(module: torch.nn.Module) -> tuple:
-    """Every object read_layout's result can depend on: the class and its gate rule, the module's
-    instance attributes (the flags among them), parameters and submodules."""
-    attributes = module.__dict__
-    cls = type(module)
-    return (cls, getattr(cls, "_apply_gate", None), *attributes.values(),
-            *attributes.get("_parameters", {}).values(), *attributes.get("_modules", {}).values())
-
-
 def _cacheable(module: torch.nn.Module, layout: ExpertsLayout) -> bool:
-    """Whether every object the layout depends on is one _held sees: its tensors parameters of the
+    """Whether every object the layout depends on is one kept_layout sees: its tensors parameters of the
     module, its scalars and activation on the instance."""
     attributes = module.__dict__
     parameters, submodules = attributes.get("_parameters", {}).values(), attributes.get("_modules", {})
@@ -106,9 +97,13 @@ def kept_layout(module: torch.nn.Module) -> KeptLayout:
         return KeptLayout(read_layout(module), weak=False)
     attributes = module.__dict__
     entry = attributes.get(_ENTRY)
-    if entry is None:  # (set before _held reads the attributes, so that it is one of them from the start)
+    if entry is None:  # (set before the attributes are read, so that it is one of them from the start)
         entry = attributes[_ENTRY] = _Entry()
-    held = _held(module)
+    # Every object read_layout's result can depend on: the class and its gate rule, the module's
+    # instance attributes (the flags among them), parameters and submodules.
+    cls = type(module)
+    held = (cls, getattr(cls, "_apply_gate", None), *attributes.values(),
+            *attributes.get("_parameters", {}).values(), *attributes.get("_modules", {}).values())
     key = tuple(map(id, held))
     if entry.key == key:
         return entry.read
