@@ -95,11 +95,20 @@ def test_routed_experts_training_step_stays_within_the_budget(family, tokens):
     assert {id(t): tuple(t.shape) for t in leaves} == {id(t): tuple(g.shape) for t, g in grads.items()}
 
 
+def _capturing(monkeypatch):
+    """A CUDA graph being captured, as tutel sees it (CUDA initialised, device 0, the stream capturing)."""
+    monkeypatch.setattr(torch.cuda, "_initialized", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_routed_experts_without_a_grouped_mm_kernel_train_within_the_budget(family, dtype):
-    """float32 and float16, which PyTorch's grouped_mm has no kernel for: tutel's grouped products
-    (the bias inside) keep the training step free of host reads and within the budgets."""
+def test_routed_experts_without_a_grouped_mm_kernel_train_within_the_budget(monkeypatch, family, dtype):
+    """float32 and float16, which PyTorch's grouped_mm has no kernel for, under CUDA-graph capture
+    (eager calls read the group ends and take cuBLAS: test_cuda_dtypes_cublas.py): tutel's grouped
+    products (the bias inside) keep the training step free of host reads and within the budgets."""
+    _capturing(monkeypatch)
     with fake_cuda():
         leaves, call = _call(family, 16, grad=True, dtype=dtype)
         with OperatorCount() as forward:
@@ -219,18 +228,23 @@ def test_moe_layer_training_step_has_no_host_sync_and_stays_within_the_budget(fa
 
 @pytest.mark.parametrize("family", LAYER_FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
-def test_moe_layer_in_float32_trains_without_a_host_sync(family, capacity_factor):
-    """A float32 layer (no grouped_mm kernel): tutel's grouped products, the same budgets."""
+def test_moe_layer_in_float32_trains_without_a_host_sync(monkeypatch, family, capacity_factor):
+    """A float32 layer (no grouped_mm kernel) under CUDA-graph capture: dropless, tutel's grouped
+    products; with a capacity, Tutel's slots through the experts' bmm (no host read either way); the
+    same budgets."""
+    _capturing(monkeypatch)
     with fake_cuda() as mode:
         layer = _layer(family, capacity_factor, mode, dtype=torch.float32)
         x = torch.randn(16, family.model_dim, device="cuda", dtype=torch.float32, requires_grad=True)
-        assert layer.choose_path(x).path is Path.STATIC_GROUPED
+        assert layer.choose_path(x).path is (Path.STATIC_GROUPED if capacity_factor == 0 else Path.STATIC_SLOTS)
         with OperatorCount() as forward:
             y = layer(x)
         seeds = [torch.randn_like(y), torch.ones_like(y.l_aux)]
         with OperatorCount() as backward:
             backward_by_hand([y, y.l_aux], seeds)
-    assert "tutel.grouped_rows_linear.default" in forward.operators, forward.operators
+    products = "tutel.grouped_rows_linear.default" if capacity_factor == 0 else \
+        ("aten.bmm.default" if family.expert_type == "llama_ffn" else "aten.baddbmm.default")
+    assert products in forward.operators, forward.operators
     assert forward.kernels <= LAYER_FORWARD_BUDGET, forward.operators
     assert backward.kernels <= 2 * forward.kernels, backward.operators
 

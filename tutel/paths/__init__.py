@@ -6,8 +6,8 @@ the call's ``Work`` (tutel.paths.work):
 * **prepare** (tutel.paths.prepare): the routing -> the rows' plan: the choices sorted by expert, a
   grouped buffer of static size planned on the device, Tutel's [E, C, M] slots, megablocks' occupied
   rows, or the choices as a fused operator takes them;
-* **experts** (one module per implementation: experts_grouped, experts_pieces, experts_one_call,
-  experts_decode, experts_module): the products;
+* **experts** (one module per implementation: experts_grouped, experts_per_expert, experts_pieces,
+  experts_one_call, experts_decode, experts_module): the products;
 * **finalize** (tutel.paths.finalize): the outputs back in token order, weighted.
 
 ``run(path, work)`` runs one; moe_layer (tutel.impls.layer_paths), routed experts

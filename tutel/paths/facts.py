@@ -14,6 +14,15 @@ from .work import WeightExperts
 
 # The device fact by device type (a dict lookup: the facts are built on every call).
 _DEVICE_KINDS = {"cpu": "cpu", "cuda": "cuda"}
+# The dtypes PyTorch's matrix products (cuBLAS) take where its grouped_mm has no kernel (cublas_dtype).
+_CUBLAS_DTYPES = frozenset((torch.float16, torch.float32, torch.float64))
+
+
+def stream_capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: never before PyTorch has
+    initialised CUDA in this process (CUDA tensors there are fake ones of a trace, and asking a
+    missing driver would raise)."""
+    return torch.cuda._initialized and torch.cuda.is_current_stream_capturing()
 
 
 def fits_one_call(rows: int) -> bool:
@@ -44,11 +53,17 @@ def layer_facts(layer: torch.nn.Module, x: torch.Tensor, call, reserve_dims: int
         capacity = "static"
     else:
         capacity = "dropless" if call.capacity_factor == 0 else "capped"
+    device = _DEVICE_KINDS.get(x.device.type, "other")
+    cublas_dtype = x.dtype in _CUBLAS_DTYPES
+    traced = is_compiling()
     return {
-        "device": _DEVICE_KINDS.get(x.device.type, "other"),
+        "device": device,
         "gradient": records_gradient(layer, x),
-        "plain": not is_compiling() and direct_call_allowed(x),
-        "traced": is_compiling(),
+        "plain": not traced and direct_call_allowed(x),
+        "traced": traced,
+        # (asked only where a rule reads it: eager CUDA tokens of a cuBLAS dtype)
+        "capturing": device == "cuda" and cublas_dtype and not traced and stream_capturing(),
+        "cublas_dtype": cublas_dtype,
         "autocast": any_autocast() and autocast_dtype(x.device.type) is not None,
         "processes": "several" if layer.world_size > 1 else "one",
         "layout": "grouped" if call.megablocks_size > 0 else "padded",
@@ -71,11 +86,16 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
     and widening)."""
     up, down = experts.up_weight, experts.down_weight
     device = _DEVICE_KINDS.get(x.device.type, "other")
+    cublas_dtype = x.dtype in _CUBLAS_DTYPES
+    traced = _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())  # (is_compiling, inline)
     return {
         "device": device,
         "gradient": torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weights, up, down, experts.up_bias, experts.down_bias)),
-        "traced": _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING()),  # (is_compiling, inline)
+        "traced": traced,
+        # (asked only where a rule reads it: eager CUDA tokens of a cuBLAS dtype)
+        "capturing": device == "cuda" and cublas_dtype and not traced and stream_capturing(),
+        "cublas_dtype": cublas_dtype,
         "gated_experts": experts.unit is not None and experts.post_fn is None and down.dtype == x.dtype,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
         # (decode_experts_supported is False off CUDA: not asked there)

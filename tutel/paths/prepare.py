@@ -3,6 +3,7 @@
 from .. import ops
 from ..ops.dispatch import encode_planned
 from ..ops.precision import gemm_dtype
+from ..rules.capacity import expert_capacity
 from .call_agreement import agree_on_call
 from .plans import choice_table, grouped_locations, kept_expert_ids, occupied_rows, plan_routing, RoutingPlan
 from .work import Work
@@ -51,6 +52,35 @@ def planned_rows(work: Work) -> None:
     grouped = encode_planned(work.x, None, routing.grouped_locations, 1, rows,
                              None if work.at_combine else routing.weights)
     work.rows = grouped.view(rows, work.x.shape[1])
+
+
+def planned_slots(work: Work) -> None:
+    """Tutel's [E, C, M] slot buffer from route_experts' routing at its static capacity (its grouped
+    buffer holds E x C rows): each kept choice's row at its expert's GShard slot, zero rows
+    elsewhere; the plan is the routing's [k, T] expert and slot tables, as ``slots`` makes them."""
+    _slots_of_routing(work, work.routing.row_choices.shape[0] // max(work.experts.num_experts, 1))
+
+
+def largest_load(dispatch_count) -> int:
+    """The largest number of choices routed to one expert, read on the host (one synchronisation:
+    the dropless slot buffer's shape needs it, as Tutel's dropless capacity does)."""
+    return max(dispatch_count.tolist(), default=0)
+
+
+def largest_load_slots(work: Work) -> None:
+    """planned_slots for dropless routing: the capacity is Tutel's dropless one, the largest load
+    (largest_load; one process, no exchange to align for), so no choice is dropped."""
+    routing = work.routing
+    choices, tokens = routing.expert_ids.shape
+    _slots_of_routing(work, expert_capacity(0.0, choices, tokens, work.experts.num_experts,
+                                            max_load=lambda: largest_load(routing.dispatch_count)))
+
+
+def _slots_of_routing(work: Work, capacity: int) -> None:
+    routing = work.routing
+    work.plan = indices, locations = routing.expert_ids, routing.locations
+    work.rows = encode_planned(work.x, indices, locations, work.experts.num_experts, capacity,
+                               None if work.at_combine else routing.weights)
 
 
 def occupied(work: Work) -> None:

@@ -7,7 +7,8 @@ its rows need their own layout) plus one row here and one rule in tutel.rules.pa
 from typing import Callable, Dict, NamedTuple, Optional
 
 from ..rules.paths import Path
-from . import experts_decode, experts_grouped, experts_module, experts_one_call, experts_pieces, finalize, prepare
+from . import (experts_decode, experts_grouped, experts_module, experts_one_call, experts_per_expert,
+               experts_pieces, finalize, prepare)
 from .work import Work
 
 Stage = Callable[[Work], None]
@@ -32,6 +33,10 @@ STAGES: Dict[Path, PathStages] = {
     Path.EXPERT_PARALLEL: PathStages(CRIT, prepare.agreed_slots, experts_module.module_across_processes,
                                      finalize.slots_combine),
     Path.STATIC_DECODE: PathStages(PLANNED, None, experts_decode.decode_kernel, None),
+    Path.STATIC_SLOTS: PathStages(PLANNED, prepare.planned_slots, experts_module.module_on_slots,
+                                  finalize.slots_combine),
+    Path.DROPLESS_SLOTS: PathStages(PLANNED, prepare.largest_load_slots, experts_module.module_on_slots,
+                                    finalize.slots_combine),
     Path.STATIC_GROUPED: PathStages(PLANNED, prepare.planned_rows, experts_grouped.grouped_products,
                                     finalize.grouped_combine),
     Path.LAYER_IN_TWO_CALLS: PathStages(ONE_PASS, prepare.in_gemm_dtype, experts_one_call.one_call, None),
@@ -42,6 +47,8 @@ STAGES: Dict[Path, PathStages] = {
     Path.EXPERTS_ONE_CALL: PathStages(GIVEN, None, experts_one_call.one_call, None),
     Path.EXPERTS_PIECES: PathStages(GIVEN, prepare.sorted_plan, experts_pieces.products_in_pieces, None),
     Path.EXPERTS_DECODE: PathStages(GIVEN, None, experts_decode.decode_kernel, None),
+    Path.EXPERTS_PER_EXPERT: PathStages(GIVEN, prepare.sorted_rows, experts_per_expert.products_per_expert,
+                                        finalize.grouped_combine),
     Path.EXPERTS_GROUPED: PathStages(GIVEN, prepare.sorted_rows, experts_grouped.grouped_products,
                                      finalize.grouped_combine),
 }

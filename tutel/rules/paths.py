@@ -25,6 +25,8 @@ class Path(str, Enum):
 
     EXPERT_PARALLEL = "expert_parallel"      # [E, C, M] buffers exchanged between the processes
     STATIC_DECODE = "static_decode"          # route_experts, then decode_experts (CUDA kernels, no autograd)
+    STATIC_SLOTS = "static_slots"            # route_experts, Tutel's [E, C, M] slots through the module (bmm)
+    DROPLESS_SLOTS = "dropless_slots"        # the same, C the largest load read on the host
     STATIC_GROUPED = "static_grouped"        # route_experts plans a grouped buffer of static size on the device
     LAYER_IN_TWO_CALLS = "layer_in_two_calls"  # route_without_grad, then routed_gated_experts (C++)
     GROUPED_ONE_CALL = "grouped_one_call"    # the layer's routing, then routed_gated_experts (C++)
@@ -34,6 +36,7 @@ class Path(str, Enum):
     EXPERTS_ONE_CALL = "experts_one_call"    # routed_gated_experts (C++), one operator call
     EXPERTS_PIECES = "experts_pieces"        # grouped rows in pieces, the operators called directly
     EXPERTS_DECODE = "experts_decode"        # decode_experts (CUDA kernels), one operator call
+    EXPERTS_PER_EXPERT = "experts_per_expert"  # grouped rows, the ends read on the host, a product per expert
     EXPERTS_GROUPED = "experts_grouped"      # one grouped buffer through autograd, any device
 
 
@@ -43,6 +46,11 @@ FACTS: Dict[str, str] = {
     "device": "device type of the tokens: `cpu`, `cuda` or `other`",
     "gradient": "autograd records the call (grad mode on and a tensor of the call requires grad)",
     "traced": "torch.compile traces the call",
+    "capturing": "a CUDA graph is being captured on the current stream (torch.cuda.is_current_stream_capturing; "
+                 "asked only for eager CUDA tokens of a cublas_dtype): nothing may be read back to the host",
+    "cublas_dtype": "the tokens are float16, float32 or float64, for which PyTorch's grouped_mm has no kernel: "
+                    "PyTorch's matrix products (cuBLAS on CUDA, tensor cores for float16, TF32 for float32 "
+                    "where torch.backends.cuda.matmul allows it) multiply them",
     "plain": "eager, plain tensors: not traced, no Python dispatch mode active, no tensor subclass (tutel's "
              "C++ functions may then be called directly, without the dispatcher)",
     "autocast": "autocast is enabled for the device",
@@ -95,6 +103,14 @@ RULES: Tuple[Rule, ...] = (
           "sizes: the routing in two launches, then each chosen expert's matrices read once by the decode "
           "kernels; no host synchronisation", device="cuda", gradient=False, processes="one", capacity="dropless",
           tutel_routing=True, gate_at_combine=True, token_dims="one", gated_experts=True, decode_kernel=True),
+    _rule(LAYER, Path.STATIC_SLOTS, "CUDA, one process, a static capacity, float16 / float32 / float64: the "
+          "routing in two launches, then Tutel's [E, C, M] slots through the experts module (cuBLAS bmm for the "
+          "built-in experts); no host synchronisation, so CUDA graphs capture it", device="cuda", processes="one",
+          capacity="static", tutel_routing=True, token_dims="one", cublas_dtype=True),
+    _rule(LAYER, Path.DROPLESS_SLOTS, "CUDA, one process, dropless, float16 / float32 / float64, eager: the "
+          "largest load read on the host (one synchronisation, as Tutel's dropless capacity) sizes the [E, C, M] "
+          "slots the experts module multiplies with cuBLAS", device="cuda", processes="one", capacity="dropless",
+          tutel_routing=True, token_dims="one", cublas_dtype=True, capturing=False, traced=False),
     _rule(LAYER, Path.STATIC_GROUPED, "CUDA, one process: the routing plans a grouped buffer of static size "
           "(T x k rows dropless, E x capacity) on the device and the experts' grouped products run over it; no "
           "host synchronisation, so CUDA graphs capture it", device="cuda", processes="one",
@@ -120,6 +136,9 @@ RULES: Tuple[Rule, ...] = (
     _rule(EXPERTS, Path.EXPERTS_DECODE, "CUDA inference of gated experts at decoding sizes: each chosen expert's "
           "matrices read once by the decode kernels (two launches)", device="cuda", gradient=False,
           gated_experts=True, decode_kernel=True),
+    _rule(EXPERTS, Path.EXPERTS_PER_EXPERT, "CUDA, float16 / float32 / float64, eager: the group ends read on the "
+          "host (one synchronisation), then one cuBLAS product per expert with rows (tutel.ops.per_expert_mm)",
+          device="cuda", cublas_dtype=True, capturing=False, traced=False),
     _rule(EXPERTS, Path.EXPERTS_GROUPED, "one grouped buffer through autograd (training, tracing, devices)"),
 )
 
