@@ -86,6 +86,27 @@ TORCH_LIBRARY(tutel, m) {
       "decode_experts(Tensor x, Tensor expert_ids, Tensor? weights, Tensor up_weight, Tensor down_weight, "
       "Tensor? up_bias, Tensor? down_bias, bool transposed, float alpha, float up_offset, float? limit, "
       "bool interleaved, Tensor? gate_weight=None) -> Tensor");
+  // Routed experts whose weights are quantized, at decoding sizes, for inference (no autograd):
+  //   out[t] = sum_j weights[t, j] * (unit(x[t] @ Wgu[e]^T + gate_up_bias[e]) @ Wd[e]^T + down_bias[e])
+  // over the choices whose id e = expert_ids[t, j] lies in [0, E), with Wgu [E, 2I or I, H] and Wd
+  // [E, O, I] decoded from `format`'s codes and scales as they are read:
+  //   'mxfp4': gate_up / down uint8 [E, N, K/2], two E2M1 codes a byte (even element in the low
+  //            nibble); *_scales uint8 [E, N, K/32] E8M0 (2^(s-127)); K a multiple of 32.
+  //   'nvfp4': the same codes; *_scales float8_e4m3fn [E, N, K/16]; *_global float32 [E]
+  //            (W = code * scale * global); K a multiple of 16.
+  //   'fp8_block': gate_up / down float8_e4m3fn [E, N, K]; *_scales float32 / bfloat16 / float16
+  //            [E, ceil(N/block[0]), ceil(K/block[1])] (W = q * scale of its block).
+  // `block` is fp8_block's [rows, cols] (empty for the fp4 formats); *_global only for nvfp4.
+  // activation 'gated': gate and up rows (concatenated, or alternating when interleaved), unit
+  // (u' + up_offset) * g' * sigmoid(alpha g') with g', u' clamped by limit as gated_unit's;
+  // 'gelu' / 'gelu_tanh' / 'relu': up rows only.  Biases float32, gate_up_bias laid out like
+  // gate_up's rows.  x float32 / bfloat16 / float16 [T, H]; weights any floating dtype or None
+  // (1); returns [T, O] in x's dtype.  Sums in float32.  CPU only.
+  m.def(
+      "decode_quantized_experts(Tensor x, Tensor expert_ids, Tensor? weights, str format, Tensor gate_up, "
+      "Tensor gate_up_scales, Tensor? gate_up_global, Tensor down, Tensor down_scales, Tensor? down_global, "
+      "int[] block, Tensor? gate_up_bias, Tensor? down_bias, str activation, float alpha, float up_offset, "
+      "float? limit, bool interleaved) -> Tensor");
   // Rows grouped by expert: rows [N, C] whose rows offsets[e - 1] .. offsets[e] - 1 belong to expert e
   // (offsets [E] int32, the non-decreasing end of each expert's rows, offsets[E - 1] <= N; the rows
   // past it belong to no expert).  In place, rows[i] += bias[e(i)] (bias [E, C] in rows' dtype) in

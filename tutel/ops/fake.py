@@ -130,6 +130,14 @@ def _decode_experts(x, expert_ids, weights, up_weight, down_weight, up_bias, dow
     return x.new_empty((x.shape[0], down_weight.shape[2] if transposed else down_weight.shape[1]))
 
 
+# decode_quantized_experts: [T, O] in x's dtype, O the down stack's rows.
+@register_fake("tutel::decode_quantized_experts")
+def _decode_quantized_experts(x, expert_ids, weights, format, gate_up, gate_up_scales, gate_up_global, down,
+                              down_scales, down_global, block, gate_up_bias, down_bias, activation, alpha, up_offset,
+                              limit, interleaved):
+    return x.new_empty((x.shape[0], down.shape[1]))
+
+
 @register_fake("tutel::route_experts")
 def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
                    routed_scaling_factor, batch_prioritized, capacity, with_loss):

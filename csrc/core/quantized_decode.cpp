@@ -1,0 +1,266 @@
+// decode_quantized_experts' two passes (quantized_decode.h) and its portable kernels.
+#include "quantized_decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "parallel.h"
+
+namespace tutel {
+namespace core {
+namespace {
+
+int64_t padded(int64_t n) { return (n + kQuantVectorPadding - 1) / kQuantVectorPadding * kQuantVectorPadding; }
+
+// ---- portable kernels -------------------------------------------------------------------------
+
+// Row `row` of expert `expert`, elements [k0, k0 + len) of one scale block, decoded into w.
+void decode_block(const QuantizedMatrix& m, int64_t expert, int64_t row, int64_t block, int64_t k0, int64_t len,
+                  float* w) {
+  const ByteTables& tables = byte_tables();
+  const uint8_t* codes = m.row_codes(expert, row);
+  if (m.format == QuantFormat::kFp8Block) {
+    const float scale = m.row_float_scales(expert, row)[block];
+    for (int64_t i = 0; i < len; ++i) w[i] = tables.e4m3[codes[k0 + i]] * scale;
+    return;
+  }
+  const uint8_t s = m.row_byte_scales(expert, row)[block];
+  const float scale = m.format == QuantFormat::kMxfp4 ? tables.e8m0[s] : tables.e4m3[s];
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t k = k0 + i;
+    const uint8_t byte = codes[k / 2];
+    w[i] = tables.e2m1[(k & 1) ? (byte >> 4) : (byte & 15)] * scale;
+  }
+}
+
+int64_t block_width(const QuantizedMatrix& m) {
+  if (m.format == QuantFormat::kMxfp4) return kMxfp4Block;
+  if (m.format == QuantFormat::kNvfp4) return kNvfp4Block;
+  return m.block_cols;
+}
+
+void portable_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                   const float* const* vectors, int count, float* out) {
+  const int64_t width = block_width(m);
+  std::vector<float> w(size_t(width), 0.0f);
+  std::vector<float> sums(size_t(count), 0.0f);
+  for (int r = 0; r < row_count; ++r) {
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    for (int64_t block = 0, k0 = 0; k0 < m.cols; ++block, k0 += width) {
+      const int64_t len = std::min(width, m.cols - k0);
+      decode_block(m, expert, rows[r], block, k0, len, w.data());
+      for (int v = 0; v < count; ++v) {
+        const float* x = vectors[v] + k0;
+        float sum = sums[size_t(v)];
+        for (int64_t i = 0; i < len; ++i) sum += w[size_t(i)] * x[i];
+        sums[size_t(v)] = sum;
+      }
+    }
+    const float global = m.global_scale(expert);
+    for (int v = 0; v < count; ++v) out[r * count + v] = m.format == QuantFormat::kNvfp4 ? sums[size_t(v)] * global
+                                                                                        : sums[size_t(v)];
+  }
+}
+
+// ---- the call's plan --------------------------------------------------------------------------
+
+// The kept choices sorted by expert (stably: token-major within an expert), and each active
+// expert's range of them.
+struct ChoicePlan {
+  std::vector<int64_t> token;  // per kept choice, in expert order
+  std::vector<float> weight;
+  std::vector<int64_t> active;  // the experts with choices, ascending
+  std::vector<int64_t> starts;  // active.size() + 1 offsets into token / weight
+};
+
+ChoicePlan plan_choices(const int64_t* ids, const float* weights, int64_t tokens, int64_t k, int64_t experts) {
+  std::vector<int64_t> kept;
+  kept.reserve(size_t(tokens * k));
+  for (int64_t c = 0; c < tokens * k; ++c) {
+    if (ids[c] >= 0 && ids[c] < experts) kept.push_back(c);
+  }
+  std::stable_sort(kept.begin(), kept.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  ChoicePlan plan;
+  plan.token.reserve(kept.size());
+  plan.weight.reserve(kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    const int64_t c = kept[i];
+    if (i == 0 || ids[kept[i - 1]] != ids[c]) {
+      plan.active.push_back(ids[c]);
+      plan.starts.push_back(int64_t(i));
+    }
+    plan.token.push_back(c / k);
+    plan.weight.push_back(weights ? weights[c] : 1.0f);
+  }
+  plan.starts.push_back(int64_t(kept.size()));
+  return plan;
+}
+
+// Hidden units per item of the gate/up pass and output rows per item of the down pass: enough
+// items for every thread at one token and a few experts, each still a few dozen rows long.
+constexpr int64_t kUnitsPerItem = 16;
+constexpr int64_t kOutputsPerItem = 16;
+
+// Rows read ahead of the kernels' loads.  Each pass reads its rows in order, an item's rows after
+// the previous item's on the same thread (parallel_for hands out consecutive items), and the
+// hardware prefetchers pick up such short streams late, so that without these prefetches a
+// thread's loads kept waiting on memory (benchmarks/quantized_decode_cpu.py measures the rate).
+constexpr int64_t kPrefetchRows = 8;
+
+template <class T>
+void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
+                  const std::vector<const float*>& token_rows, float* h, int64_t h_stride) {
+  const int64_t inter = call.inter;
+  const bool gated = call.unit.activation == ExpertActivation::kGated;
+  const bool interleaved = gated && call.unit.gated.interleaved;
+  const int64_t blocks = (inter + kUnitsPerItem - 1) / kUnitsPerItem;
+  const int64_t items = int64_t(plan.active.size()) * blocks;
+  parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
+    std::vector<float> dots;
+    for (int64_t item = item_begin; item < item_end; ++item) {
+      const int64_t a = item / blocks, unit_begin = (item % blocks) * kUnitsPerItem;
+      const int64_t unit_end = std::min(inter, unit_begin + kUnitsPerItem);
+      const int64_t expert = plan.active[size_t(a)], first = plan.starts[size_t(a)];
+      const int count = int(plan.starts[size_t(a) + 1] - first);
+      const float* bias = call.gate_up_bias ? call.gate_up_bias + expert * call.gate_up.rows : nullptr;
+      dots.resize(size_t(2 * count));
+      // Gated: the unit's gate and up rows; up-only: two units' rows at a time.
+      const int64_t step = gated ? 1 : 2;
+      for (int64_t i = unit_begin; i < unit_end; i += step) {
+        int64_t rows[2];
+        int row_count = 2;
+        if (gated) {
+          rows[0] = interleaved ? 2 * i : i;
+          rows[1] = interleaved ? 2 * i + 1 : inter + i;
+        } else {
+          rows[0] = i;
+          rows[1] = i + 1;
+          row_count = i + 1 < unit_end ? 2 : 1;
+        }
+        kernels.dots(call.gate_up, expert, rows, row_count, token_rows.data() + first, count, dots.data());
+        for (int v = 0; v < count; ++v) {
+          float* h_row = h + (first + v) * h_stride;
+          if (gated) {
+            const float g = dots[size_t(v)] + (bias ? bias[rows[0]] : 0.0f);
+            const float u = dots[size_t(count + v)] + (bias ? bias[rows[1]] : 0.0f);
+            h_row[i] = expert_unit_value(call.unit, g, u);
+          } else {
+            for (int r = 0; r < row_count; ++r) {
+              const float u = dots[size_t(r * count + v)] + (bias ? bias[rows[r]] : 0.0f);
+              h_row[rows[r]] = expert_unit_value(call.unit, 0.0f, u);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <class T>
+void down_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
+               const std::vector<const float*>& h_rows, float* sums) {
+  const int64_t outputs = call.outputs, tokens = call.tokens;
+  const int64_t items = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
+  parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
+    std::vector<float> dots;
+    for (int64_t item = item_begin; item < item_end; ++item) {
+      const int64_t n_begin = item * kOutputsPerItem, n_end = std::min(outputs, n_begin + kOutputsPerItem);
+      for (int64_t t = 0; t < tokens; ++t) std::fill(sums + t * outputs + n_begin, sums + t * outputs + n_end, 0.0f);
+      for (size_t a = 0; a < plan.active.size(); ++a) {
+        const int64_t expert = plan.active[a], first = plan.starts[a];
+        const int count = int(plan.starts[a + 1] - first);
+        const float* bias = call.down_bias ? call.down_bias + expert * outputs : nullptr;
+        dots.resize(size_t(2 * count));
+        for (int64_t n = n_begin; n < n_end; n += 2) {
+          const int64_t rows[2] = {n, n + 1};
+          const int row_count = n + 1 < n_end ? 2 : 1;
+          kernels.dots(call.down, expert, rows, row_count, h_rows.data() + first, count, dots.data());
+          for (int r = 0; r < row_count; ++r) {
+            const float b = bias ? bias[rows[r]] : 0.0f;
+            for (int v = 0; v < count; ++v) {
+              const int64_t c = first + v;
+              const float y = dots[size_t(r * count + v)] + b;
+              sums[plan.token[size_t(c)] * outputs + rows[r]] += plan.weight[size_t(c)] * y;
+            }
+          }
+        }
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t n = n_begin; n < n_end; ++n) call.out[t * outputs + n] = Scalar<T>::store(sums[t * outputs + n]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+float expert_unit_value(const ExpertUnit& unit, float g, float u) {
+  switch (unit.activation) {
+    case ExpertActivation::kGated: {
+      const GatedUnit& p = unit.gated;
+      if (p.clamped) {
+        const float limit = float(p.limit);
+        g = std::min(g, limit);                   // NaN stays NaN, as PyTorch's clamp
+        u = std::max(std::min(u, limit), -limit);
+      }
+      const float s = 1.0f / (1.0f + std::exp(-float(p.alpha) * g));
+      return (u + float(p.up_offset)) * g * s;
+    }
+    case ExpertActivation::kGelu:
+      return 0.5f * u * (1.0f + std::erf(u * 0.70710678118654752f));
+    case ExpertActivation::kGeluTanh:
+      return 0.5f * u * (1.0f + std::tanh(0.79788456080286536f * (u + 0.044715f * u * u * u)));
+    case ExpertActivation::kRelu:
+      return u > 0.0f || std::isnan(u) ? u : 0.0f;
+  }
+  return u;
+}
+
+const QuantKernels& portable_quant_kernels() {
+  static const QuantKernels kernels{&portable_dots, "portable"};
+  return kernels;
+}
+
+const QuantKernels& best_quant_kernels() {
+  static const QuantKernels& best = avx512_quant_kernels() ? *avx512_quant_kernels()
+                                    : avx2_quant_kernels()   ? *avx2_quant_kernels()
+                                                             : portable_quant_kernels();
+  return best;
+}
+
+template <class T>
+void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels) {
+  const int64_t tokens = call.tokens, hidden = call.hidden, outputs = call.outputs;
+  if (tokens == 0 || outputs == 0) return;
+  const ChoicePlan plan = plan_choices(call.expert_ids, call.weights, tokens, call.k, call.experts);
+  // Token rows in float32, each padded with zeros to the kernels' widest vectors.
+  const int64_t x_stride = padded(hidden), h_stride = padded(call.inter);
+  std::vector<float> x(size_t(tokens * x_stride), 0.0f);
+  parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < hidden; ++i) x[size_t(t * x_stride + i)] = Scalar<T>::load(call.x[t * call.x_stride + i]);
+    }
+  });
+  const size_t kept = plan.token.size();
+  std::vector<const float*> token_rows(kept), h_rows(kept);
+  std::vector<float> h(kept * size_t(h_stride), 0.0f);
+  for (size_t c = 0; c < kept; ++c) {
+    token_rows[c] = x.data() + plan.token[c] * x_stride;
+    h_rows[c] = h.data() + int64_t(c) * h_stride;
+  }
+  QuantizedDecodeCall<T> prefetched = call;
+  prefetched.gate_up.prefetch_bytes = prefetch_rows_ahead(call.gate_up, kPrefetchRows);
+  prefetched.down.prefetch_bytes = prefetch_rows_ahead(call.down, kPrefetchRows);
+  gate_up_pass(prefetched, kernels, plan, token_rows, h.data(), h_stride);
+  std::vector<float> sums(size_t(tokens * outputs));
+  down_pass(prefetched, kernels, plan, h_rows, sums.data());
+}
+
+template void decode_quantized_experts<float>(const QuantizedDecodeCall<float>&, const QuantKernels&);
+template void decode_quantized_experts<bfloat16>(const QuantizedDecodeCall<bfloat16>&, const QuantKernels&);
+template void decode_quantized_experts<float16>(const QuantizedDecodeCall<float16>&, const QuantKernels&);
+
+}  // namespace core
+}  // namespace tutel

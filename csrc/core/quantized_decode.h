@@ -1,0 +1,141 @@
+// Routed experts whose weights are quantized (MXFP4, NVFP4, block-scaled FP8), at decoding sizes,
+// on the CPU:
+//
+//   out[t] = sum_j w[t, j] * (unit(x[t] @ Wgu[e]^T + bgu[e]) @ Wd[e]^T + bd[e]),  e = ids[t, j] in [0, E)
+//
+// with Wgu and Wd decoded from their codes and scales (quant_codes.h) as they are read, never
+// stored whole.  The work runs in two parallel passes:
+//
+//   1. gate/up: each (active expert, block of hidden units) item streams the expert's gate and up
+//      rows of those units once, decodes them in registers, takes the dot products with every
+//      token that chose the expert and applies the unit, leaving h [choices, I] in float32;
+//   2. down: each block of output rows streams those rows of every active expert once, takes the
+//      dot products with the expert's h rows and adds w * (dot + bias) into the tokens' float32
+//      sums, then rounds its block of the output to the storage type.
+//
+// Each weight byte of an active expert is read once per call however many tokens chose it (for
+// up to four tokens of an expert, eight with AVX-512, the codes are decoded once; more tokens
+// decode them again per four or eight, from the cache).  Sums are float32 throughout, the unit is
+// evaluated in float32, and h is not rounded to the storage type.  Ids outside [0, E) are dropped
+// choices.
+#pragma once
+
+#include <cstdint>
+
+#include "gated_units.h"
+#include "quant_codes.h"
+#include "scalar.h"
+
+namespace tutel {
+namespace core {
+
+// One stack of expert matrices [E, N, K] in a quantized format.  Every array is contiguous.
+struct QuantizedMatrix {
+  QuantFormat format = QuantFormat::kMxfp4;
+  const uint8_t* codes = nullptr;  // [E, N, K / 2] for the fp4 formats, [E, N, K] for fp8_block
+  int64_t rows = 0;                // N
+  int64_t cols = 0;                // K
+  // mxfp4: E8M0 bytes [E, N, K / 32]; nvfp4: E4M3 bytes [E, N, K / 16].
+  const uint8_t* byte_scales = nullptr;
+  // fp8_block: [E, ceil(N / block_rows), ceil(K / block_cols)].
+  const float* float_scales = nullptr;
+  int64_t block_rows = 1, block_cols = 1;
+  // nvfp4: [E], each expert's scale of the whole matrix.
+  const float* global_scales = nullptr;
+  // How far past its loads a kernel prefetches the codes, in bytes (0: not at all): whole rows
+  // ahead, the rows the next calls read (see prefetch_rows_ahead).
+  int64_t prefetch_bytes = 0;
+
+  int64_t code_bytes_per_row() const { return format == QuantFormat::kFp8Block ? cols : cols / 2; }
+  const uint8_t* row_codes(int64_t expert, int64_t row) const {
+    return codes + (expert * rows + row) * code_bytes_per_row();
+  }
+  int64_t scale_blocks_per_row() const {
+    if (format == QuantFormat::kMxfp4) return cols / kMxfp4Block;
+    if (format == QuantFormat::kNvfp4) return cols / kNvfp4Block;
+    return (cols + block_cols - 1) / block_cols;
+  }
+  const uint8_t* row_byte_scales(int64_t expert, int64_t row) const {
+    return byte_scales + (expert * rows + row) * scale_blocks_per_row();
+  }
+  const float* row_float_scales(int64_t expert, int64_t row) const {
+    const int64_t block_row_count = (rows + block_rows - 1) / block_rows;
+    return float_scales + (expert * block_row_count + row / block_rows) * scale_blocks_per_row();
+  }
+  float global_scale(int64_t expert) const { return global_scales ? global_scales[expert] : 1.0f; }
+};
+
+// The prefetch distance of rows read one after another, `rows_ahead` rows on (at most 32 KiB).
+inline int64_t prefetch_rows_ahead(const QuantizedMatrix& m, int64_t rows_ahead) {
+  const int64_t row_bytes = m.code_bytes_per_row();
+  if (row_bytes <= 0) return 0;
+  const int64_t rows = rows_ahead * row_bytes <= (32 << 10) ? rows_ahead : (32 << 10) / row_bytes;
+  return (rows < 1 ? 1 : rows) * row_bytes;
+}
+
+// Vectors are padded with zeros to a multiple of this many floats (the widest kernels' lanes).
+constexpr int64_t kQuantVectorPadding = 16;
+
+// The dot products of one or two rows of expert `expert`'s matrix with `count` float vectors:
+// out[r * count + v] = sum_k W[expert, rows[r], k] * vectors[v][k].  Each vector holds m.cols
+// values and is readable, and zero, past them up to the next multiple of kQuantVectorPadding.
+using QuantRowDots = void (*)(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                              const float* const* vectors, int count, float* out);
+
+struct QuantKernels {
+  QuantRowDots dots;
+  const char* name;  // "portable", "avx2" or "avx512"
+};
+
+// The portable kernels, always available (plain loops over the byte tables).
+const QuantKernels& portable_quant_kernels();
+
+// The AVX2 + FMA + F16C kernels, or nullptr when this build or this CPU has none.
+const QuantKernels* avx2_quant_kernels();
+
+// The AVX-512 (F, BW, VL) kernels, or nullptr when this build or this CPU has none.
+const QuantKernels* avx512_quant_kernels();
+
+// The widest kernels this CPU runs.
+const QuantKernels& best_quant_kernels();
+
+// The unit between the two products.
+enum class ExpertActivation : int {
+  kGated = 0,     // gate and up rows: GatedUnit's (SwiGLU, gpt-oss' clamped unit)
+  kGelu = 1,      // up rows only: u * Phi(u) (erf)
+  kGeluTanh = 2,  // up rows only: GELU's tanh approximation
+  kRelu = 3,      // up rows only: max(u, 0)
+};
+
+struct ExpertUnit {
+  ExpertActivation activation = ExpertActivation::kGated;
+  GatedUnit gated{1.0, 0.0, false, 0.0, false};  // kGated's parameters; `interleaved` also places the rows
+};
+
+template <class T>
+struct QuantizedDecodeCall {
+  const T* x = nullptr;             // [tokens, hidden], row stride x_stride
+  int64_t x_stride = 0;
+  const int64_t* expert_ids = nullptr;  // [tokens, k]
+  const float* weights = nullptr;       // [tokens, k], or nullptr for weight 1
+  int64_t tokens = 0, k = 0, experts = 0;
+  int64_t hidden = 0;   // H: gate_up's K
+  int64_t inter = 0;    // I: down's K; gate_up holds 2I rows (gated) or I
+  int64_t outputs = 0;  // O: down's N
+  QuantizedMatrix gate_up, down;
+  const float* gate_up_bias = nullptr;  // [E, gate_up.rows], laid out like the rows, or nullptr
+  const float* down_bias = nullptr;     // [E, outputs], or nullptr
+  ExpertUnit unit;
+  T* out = nullptr;  // [tokens, outputs], contiguous
+};
+
+// Runs the call with `kernels` (threads over the items of each pass).
+template <class T>
+void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels);
+
+// The unit's value at gate g and up u (g unused by the up-only units), in float32: both kernel
+// sets apply it the same way.
+float expert_unit_value(const ExpertUnit& unit, float g, float u);
+
+}  // namespace core
+}  // namespace tutel

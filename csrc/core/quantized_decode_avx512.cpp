@@ -1,0 +1,272 @@
+// AVX-512 kernels of decode_quantized_experts (quantized_decode.h): the AVX2 kernels' work
+// (quantized_decode_avx2.cpp) on sixteen lanes, with the decoding that the wider instruction set
+// makes cheaper, up to eight vectors at a time.
+//
+//   E2M1: 16 bytes (32 codes) widened to one byte per 32-bit lane; the low and the high nibbles
+//     index a 16-entry table of the signed values (scaled by the block's scale) with one permute
+//     each, giving the even and the odd elements, which two two-source permutes put back in order.
+//     The sign needs no work of its own: the table holds all sixteen codes.
+//   E4M3: 32 bytes rebuilt as float16 bits (with fewer steps than the AVX2 kernel's, thanks to
+//     16-bit arithmetic shifts and compare masks), converted 16 at a time.
+//
+// The ends of fp8_block's blocks are read with masked loads, codes and vectors alike.
+//
+// GCC 12's AVX-512 intrinsics start from undefined vectors, which its own (maybe-)uninitialized
+// warnings flag at every inlined use; this file holds nothing else those warnings could catch.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include <algorithm>
+#include <cstring>
+
+#include "avx2_lanes.h"
+#include "quantized_decode.h"
+
+namespace tutel {
+namespace core {
+
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+#define TUTEL_AVX512_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+namespace {
+
+// Independent sums per (row, vector) pair: two when one pair alone would chain every FMA.
+constexpr int sums_per_pair(int pairs) { return pairs >= 2 ? 1 : 2; }
+
+inline void prefetch_codes(const uint8_t* p, int64_t ahead) {
+  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+}
+
+// The 16 E2M1 values in code order.
+TUTEL_AVX512_QUANT inline __m512 e2m1_table() {
+  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                        -4.0f, -6.0f);
+}
+
+// The 32 values of the codes in 16 bytes at p, in element order (w[0]: elements 0..15).
+TUTEL_AVX512_QUANT inline void e2m1_32(const uint8_t* p, __m512 table, __m512 (&w)[2]) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table);
+  const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  // Lane 2m takes even[m], lane 2m + 1 odd[m] (index bit 4 picks the second source).
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  w[0] = _mm512_permutex2var_ps(even, first, odd);
+  w[1] = _mm512_permutex2var_ps(even, second, odd);
+}
+
+// `count` (up to 32) E4M3 bytes as floats times 2^-8 (w[0]: elements 0..15; past `count` 0): each
+// byte in the high half of a 16-bit lane, shifted right by one with its sign repeated, and bit 14
+// cleared, is the float16 with the sign, exponent and mantissa bits in their places; NaN codes
+// become a float16 NaN.
+TUTEL_AVX512_QUANT inline void e4m3_32(const uint8_t* p, int count, __m512 (&w)[2]) {
+  const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
+  const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kept, p)), 8);
+  const __m512i half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xbf80)));
+  const __m512i all_ones = _mm512_set1_epi16(0x3f80);
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(half, all_ones), all_ones);
+  const __m512i bits = _mm512_mask_mov_epi16(half, nan, _mm512_set1_epi16(0x7e00));
+  w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+template <int R, int V>
+struct Sums {
+  static constexpr int S = sums_per_pair(R * V);
+  __m512 acc[R][V][S];
+
+  TUTEL_AVX512_QUANT void clear() {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v)
+        for (int s = 0; s < S; ++s) acc[r][v][s] = _mm512_setzero_ps();
+  }
+  // acc[r][v][slot] += w[r] * vectors[v][k .. k + 15]
+  TUTEL_AVX512_QUANT void add(const __m512 (&w)[R], const float* const* vectors, int64_t k, int slot) {
+    for (int v = 0; v < V; ++v) {
+      const __m512 x = _mm512_loadu_ps(vectors[v] + k);
+      for (int r = 0; r < R; ++r) acc[r][v][slot] = _mm512_fmadd_ps(w[r], x, acc[r][v][slot]);
+    }
+  }
+  // The same for the first `count` (< 16) elements only: the others of the vectors are not read.
+  TUTEL_AVX512_QUANT void add_first(const __m512 (&w)[R], const float* const* vectors, int64_t k, int count,
+                                    int slot) {
+    const __mmask16 kept = __mmask16((1u << count) - 1);
+    for (int v = 0; v < V; ++v) {
+      const __m512 x = _mm512_maskz_loadu_ps(kept, vectors[v] + k);
+      for (int r = 0; r < R; ++r) acc[r][v][slot] = _mm512_fmadd_ps(w[r], x, acc[r][v][slot]);
+    }
+  }
+  TUTEL_AVX512_QUANT void store(float* out, int out_stride, float scale) const {
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) {
+        __m512 total = acc[r][v][0];
+        for (int s = 1; s < S; ++s) total = _mm512_add_ps(total, acc[r][v][s]);
+        out[r * out_stride + v] = _mm512_reduce_add_ps(total) * scale;
+      }
+    }
+  }
+};
+
+template <int R, int V>
+TUTEL_AVX512_QUANT void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                   const float* const* vectors, float* out, int out_stride) {
+  const float* e8m0 = byte_tables().e8m0;
+  const __m512 values = e2m1_table();
+  const uint8_t* codes[R];
+  const uint8_t* scales[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = m.row_codes(expert, rows[r]);
+    scales[r] = m.row_byte_scales(expert, rows[r]);
+  }
+  Sums<R, V> sums;
+  sums.clear();
+  const int64_t blocks = m.cols / kMxfp4Block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 w[R][2];
+    for (int r = 0; r < R; ++r) {
+      if ((b & 3) == 0) prefetch_codes(codes[r] + b * (kMxfp4Block / 2), m.prefetch_bytes);
+      e2m1_32(codes[r] + b * (kMxfp4Block / 2), _mm512_mul_ps(values, _mm512_set1_ps(e8m0[scales[r][b]])), w[r]);
+    }
+    for (int half = 0; half < 2; ++half) {
+      __m512 step[R];
+      for (int r = 0; r < R; ++r) step[r] = w[r][half];
+      sums.add(step, vectors, b * kMxfp4Block + 16 * half, half % Sums<R, V>::S);
+    }
+  }
+  sums.store(out, out_stride, 1.0f);
+}
+
+template <int R, int V>
+TUTEL_AVX512_QUANT void nvfp4_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                   const float* const* vectors, float* out, int out_stride) {
+  const float* e4m3 = byte_tables().e4m3;
+  const __m512 values = e2m1_table();
+  const uint8_t* codes[R];
+  const uint8_t* scales[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = m.row_codes(expert, rows[r]);
+    scales[r] = m.row_byte_scales(expert, rows[r]);
+  }
+  Sums<R, V> sums;
+  sums.clear();
+  const int64_t blocks = m.cols / kNvfp4Block;  // two per round of 32 elements; the last one may be alone
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const int halves = b + 1 < blocks ? 2 : 1;
+    __m512 w[R][2];
+    for (int r = 0; r < R; ++r) {
+      if ((b & 7) == 0) prefetch_codes(codes[r] + b * (kNvfp4Block / 2), m.prefetch_bytes);
+      if (halves == 2) {
+        e2m1_32(codes[r] + b * (kNvfp4Block / 2), values, w[r]);
+      } else {  // 8 bytes: the other 8 read as code 0 and left unused
+        uint8_t part[16] = {0};
+        std::memcpy(part, codes[r] + b * (kNvfp4Block / 2), kNvfp4Block / 2);
+        e2m1_32(part, values, w[r]);
+      }
+    }
+    for (int half = 0; half < halves; ++half) {
+      __m512 step[R];
+      for (int r = 0; r < R; ++r) step[r] = _mm512_mul_ps(w[r][half], _mm512_set1_ps(e4m3[scales[r][b + half]]));
+      sums.add(step, vectors, (b + half) * kNvfp4Block, half % Sums<R, V>::S);
+    }
+  }
+  sums.store(out, out_stride, m.global_scale(expert));
+}
+
+template <int R, int V>
+TUTEL_AVX512_QUANT void fp8_block_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                       const float* const* vectors, float* out, int out_stride) {
+  const uint8_t* codes[R];
+  const float* scales[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = m.row_codes(expert, rows[r]);
+    scales[r] = m.row_float_scales(expert, rows[r]);
+  }
+  Sums<R, V> sums;
+  sums.clear();
+  constexpr int last = Sums<R, V>::S - 1;
+  const int64_t width = m.block_cols;
+  for (int64_t b = 0, k0 = 0; k0 < m.cols; ++b, k0 += width) {
+    const int64_t k1 = std::min(m.cols, k0 + width);
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) scale[r] = _mm512_set1_ps(scales[r][b] * 256.0f);
+    for (int64_t k = k0; k < k1; k += 32) {  // the block's last round may be short
+      const int count = int(std::min<int64_t>(32, k1 - k));
+      __m512 w[R][2];
+      for (int r = 0; r < R; ++r) {
+        if ((k & 63) == 0) prefetch_codes(codes[r] + k, m.prefetch_bytes);
+        e4m3_32(codes[r] + k, count, w[r]);
+      }
+      for (int half = 0; half < 2 && 16 * half < count; ++half) {
+        __m512 step[R];
+        for (int r = 0; r < R; ++r) step[r] = _mm512_mul_ps(w[r][half], scale[r]);
+        const int in_half = count - 16 * half;
+        if (in_half >= 16) {
+          sums.add(step, vectors, k + 16 * half, half == 0 ? 0 : last);
+        } else {  // neither codes nor vectors are read past the block's end
+          sums.add_first(step, vectors, k + 16 * half, in_half, half == 0 ? 0 : last);
+        }
+      }
+    }
+  }
+  sums.store(out, out_stride, 1.0f);
+}
+
+template <int R, int V>
+void dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, const float* const* vectors, float* out,
+             int out_stride) {
+  switch (m.format) {
+    case QuantFormat::kMxfp4: return mxfp4_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+    case QuantFormat::kNvfp4: return nvfp4_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+    case QuantFormat::kFp8Block: return fp8_block_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+  }
+}
+
+template <int R>
+void rows_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, const float* const* vectors, int count,
+               float* out) {
+  for (int v0 = 0; v0 < count; v0 += 8) {  // eight vectors at a time
+    const float* const* tile = vectors + v0;
+    float* tile_out = out + v0;
+    switch (std::min(8, count - v0)) {
+      case 1: dots_of<R, 1>(m, expert, rows, tile, tile_out, count); break;
+      case 2: dots_of<R, 2>(m, expert, rows, tile, tile_out, count); break;
+      case 3: dots_of<R, 3>(m, expert, rows, tile, tile_out, count); break;
+      case 4: dots_of<R, 4>(m, expert, rows, tile, tile_out, count); break;
+      case 5: dots_of<R, 5>(m, expert, rows, tile, tile_out, count); break;
+      case 6: dots_of<R, 6>(m, expert, rows, tile, tile_out, count); break;
+      case 7: dots_of<R, 7>(m, expert, rows, tile, tile_out, count); break;
+      default: dots_of<R, 8>(m, expert, rows, tile, tile_out, count); break;
+    }
+  }
+}
+
+void avx512_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                 const float* const* vectors, int count, float* out) {
+  if (row_count == 2) {
+    rows_dots<2>(m, expert, rows, vectors, count, out);
+  } else {
+    rows_dots<1>(m, expert, rows, vectors, count, out);
+  }
+}
+
+// What the kernels need of the CPU, and of the OS (__builtin_cpu_supports checks that it saves
+// the 512-bit state).
+bool cpu_has_avx512_quant() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") && avx2::cpu_has_avx2_fma();
+  return supported;
+}
+
+}  // namespace
+#endif
+
+const QuantKernels* avx512_quant_kernels() {
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+  static const QuantKernels kernels{&avx512_dots, "avx512"};
+  if (cpu_has_avx512_quant()) return &kernels;
+#endif
+  return nullptr;
+}
+
+}  // namespace core
+}  // namespace tutel

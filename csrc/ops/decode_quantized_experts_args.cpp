@@ -1,0 +1,194 @@
+#include "decode_quantized_experts_args.h"
+
+#include <cmath>
+#include <limits>
+
+#include "checks.h"
+
+namespace tutel {
+namespace ops {
+namespace {
+
+constexpr const char* kOp = "decode_quantized_experts";
+
+core::QuantFormat format_of(const std::string& name) {
+  if (name == "mxfp4") return core::QuantFormat::kMxfp4;
+  if (name == "nvfp4") return core::QuantFormat::kNvfp4;
+  TORCH_CHECK_VALUE(name == "fp8_block", "tutel::", kOp, ": `format` '", name,
+                    "' is not a weight format; allowed: 'mxfp4', 'nvfp4', 'fp8_block'");
+  return core::QuantFormat::kFp8Block;
+}
+
+core::ExpertActivation activation_of(const std::string& name) {
+  if (name == "gated") return core::ExpertActivation::kGated;
+  if (name == "gelu") return core::ExpertActivation::kGelu;
+  if (name == "gelu_tanh") return core::ExpertActivation::kGeluTanh;
+  TORCH_CHECK_VALUE(name == "relu", "tutel::", kOp, ": `activation` '", name,
+                    "' is not a unit; allowed: 'gated', 'gelu', 'gelu_tanh', 'relu'");
+  return core::ExpertActivation::kRelu;
+}
+
+const char* format_name(core::QuantFormat format) {
+  switch (format) {
+    case core::QuantFormat::kMxfp4: return "mxfp4";
+    case core::QuantFormat::kNvfp4: return "nvfp4";
+    case core::QuantFormat::kFp8Block: return "fp8_block";
+  }
+  return "?";
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One stack [E, N, K] of the format, K taken from the codes; `name` and `scales_name` name the
+// arguments in errors.
+QuantizedStackArgs checked_stack(core::QuantFormat format, const at::Tensor& codes, const at::Tensor& scales,
+                                 const c10::optional<at::Tensor>& global, int64_t block_rows, int64_t block_cols,
+                                 const at::Tensor& x, const char* name, const char* scales_name,
+                                 const char* global_name) {
+  QuantizedStackArgs s;
+  check_dim(codes, 3, kOp, name);
+  check_same_device(x, codes, kOp, name);
+  const bool fp4 = format != core::QuantFormat::kFp8Block;
+  if (fp4) {
+    TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "tutel::", kOp, ": `", name, "` must hold ",
+                     format_name(format), " codes as uint8 (two a byte), got ", codes.scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(codes.scalar_type() == at::kFloat8_e4m3fn, "tutel::", kOp, ": `", name,
+                     "` must be float8_e4m3fn for fp8_block, got ", codes.scalar_type());
+  }
+  s.codes = codes.contiguous();
+  s.rows = codes.size(1);
+  s.cols = fp4 ? 2 * codes.size(2) : codes.size(2);
+  check_dim(scales, 3, kOp, scales_name);
+  check_same_device(x, scales, kOp, scales_name);
+  int64_t scale_rows = s.rows, scale_cols = 0;
+  if (format == core::QuantFormat::kMxfp4) {
+    TORCH_CHECK_VALUE(s.cols % core::kMxfp4Block == 0, "tutel::", kOp, ": `", name, "` ", codes.sizes(),
+                      " holds rows of ", s.cols, " elements; mxfp4 needs a multiple of 32");
+    TORCH_CHECK_TYPE(scales.scalar_type() == at::kByte, "tutel::", kOp, ": `", scales_name,
+                     "` must hold E8M0 scales as uint8, got ", scales.scalar_type());
+    scale_cols = s.cols / core::kMxfp4Block;
+  } else if (format == core::QuantFormat::kNvfp4) {
+    TORCH_CHECK_VALUE(s.cols % core::kNvfp4Block == 0, "tutel::", kOp, ": `", name, "` ", codes.sizes(),
+                      " holds rows of ", s.cols, " elements; nvfp4 needs a multiple of 16");
+    TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat8_e4m3fn, "tutel::", kOp, ": `", scales_name,
+                     "` must be float8_e4m3fn for nvfp4, got ", scales.scalar_type());
+    scale_cols = s.cols / core::kNvfp4Block;
+  } else {
+    const auto dtype = scales.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "tutel::", kOp, ": `",
+                     scales_name, "` must be float32, bfloat16 or float16 for fp8_block, got ", dtype);
+    scale_rows = ceil_div(s.rows, block_rows);
+    scale_cols = ceil_div(s.cols, block_cols);
+  }
+  TORCH_CHECK_VALUE(scales.size(0) == codes.size(0) && scales.size(1) == scale_rows && scales.size(2) == scale_cols,
+                    "tutel::", kOp, ": `", scales_name, "` must be [", codes.size(0), ", ", scale_rows, ", ",
+                    scale_cols, "] for `", name, "` ", codes.sizes(), " in ", format_name(format), ", got ",
+                    scales.sizes());
+  if (format == core::QuantFormat::kFp8Block) {
+    s.scales = scales.to(at::kFloat).contiguous();
+  } else {
+    // E4M3 scales are read as their bytes.
+    s.scales = scales.scalar_type() == at::kByte ? scales.contiguous() : scales.contiguous().view(at::kByte);
+  }
+  if (format == core::QuantFormat::kNvfp4) {
+    TORCH_CHECK_VALUE(global.has_value(), "tutel::", kOp, ": nvfp4 needs `", global_name,
+                      "`, each expert's float32 scale [E]");
+    check_dtype(*global, at::kFloat, kOp, global_name);
+    TORCH_CHECK_VALUE(global->dim() == 1 && global->size(0) == codes.size(0), "tutel::", kOp, ": `", global_name,
+                      "` must be [", codes.size(0), "], got ", global->sizes());
+    check_same_device(x, *global, kOp, global_name);
+    s.global = global->contiguous();
+  } else {
+    TORCH_CHECK_VALUE(!global.has_value(), "tutel::", kOp, ": `", global_name, "` is nvfp4's; ",
+                      format_name(format), " takes none");
+  }
+  return s;
+}
+
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t width, const at::Tensor& x,
+                        const char* name) {
+  if (!bias.has_value()) return at::Tensor();
+  check_dtype(*bias, at::kFloat, kOp, name);
+  TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == width, "tutel::", kOp, ": `",
+                    name, "` must be [", experts, ", ", width, "], got ", bias->sizes());
+  check_same_device(x, *bias, kOp, name);
+  return bias->contiguous();
+}
+
+}  // namespace
+
+DecodeQuantizedExpertsArgs decode_quantized_experts_args(
+    const at::Tensor& x, const at::Tensor& expert_ids, const c10::optional<at::Tensor>& weights,
+    const std::string& format, const at::Tensor& gate_up, const at::Tensor& gate_up_scales,
+    const c10::optional<at::Tensor>& gate_up_global, const at::Tensor& down, const at::Tensor& down_scales,
+    const c10::optional<at::Tensor>& down_global, at::IntArrayRef block, const c10::optional<at::Tensor>& gate_up_bias,
+    const c10::optional<at::Tensor>& down_bias, const std::string& activation, double alpha, double up_offset,
+    c10::optional<double> limit, bool interleaved) {
+  DecodeQuantizedExpertsArgs a;
+  a.format = format_of(format);
+  a.unit.activation = activation_of(activation);
+  check_dim(x, 2, kOp, "x");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "tutel::", kOp,
+                   ": `x` must be float32, bfloat16 or float16, got ", dtype);
+  a.x = x.size(1) <= 1 || x.stride(1) == 1 ? x : x.contiguous();
+  check_dim(expert_ids, 2, kOp, "expert_ids");
+  TORCH_CHECK_TYPE(expert_ids.scalar_type() == at::kInt || expert_ids.scalar_type() == at::kLong, "tutel::", kOp,
+                   ": `expert_ids` must be int32 or int64, got ", expert_ids.scalar_type());
+  TORCH_CHECK_VALUE(expert_ids.size(0) == x.size(0), "tutel::", kOp, ": `expert_ids` must be [T, k] with T = ",
+                    x.size(0), " rows of `x`, got ", expert_ids.sizes());
+  check_same_device(x, expert_ids, kOp, "expert_ids");
+  a.expert_ids = expert_ids.to(at::kLong).contiguous();
+  if (weights.has_value()) {
+    check_floating(*weights, kOp, "weights");
+    TORCH_CHECK_VALUE(weights->sizes() == expert_ids.sizes(), "tutel::", kOp,
+                      ": `weights` must have the shape of `expert_ids` ", expert_ids.sizes(), ", got ",
+                      weights->sizes());
+    check_same_device(x, *weights, kOp, "weights");
+    a.weights = weights->to(at::kFloat).contiguous();
+  }
+  if (a.format == core::QuantFormat::kFp8Block) {
+    TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", kOp,
+                      ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);
+    a.block_rows = block[0];
+    a.block_cols = block[1];
+  } else {
+    TORCH_CHECK_VALUE(block.empty(), "tutel::", kOp, ": `block` is fp8_block's; ", format, " has its own (got ",
+                      block, ")");
+  }
+  a.gate_up = checked_stack(a.format, gate_up, gate_up_scales, gate_up_global, a.block_rows, a.block_cols, x,
+                            "gate_up", "gate_up_scales", "gate_up_global");
+  a.down = checked_stack(a.format, down, down_scales, down_global, a.block_rows, a.block_cols, x, "down",
+                         "down_scales", "down_global");
+  a.tokens = x.size(0);
+  a.k = expert_ids.size(1);
+  a.hidden = x.size(1);
+  a.experts = gate_up.size(0);
+  a.inter = a.down.cols;
+  a.outputs = a.down.rows;
+  TORCH_CHECK_VALUE(a.experts >= 1 && down.size(0) == a.experts, "tutel::", kOp, ": `gate_up` holds ", a.experts,
+                    " experts and `down` ", down.size(0), "; both must hold the same number, at least 1");
+  TORCH_CHECK_VALUE(a.gate_up.cols == a.hidden, "tutel::", kOp, ": `gate_up` ", gate_up.sizes(), " holds rows of ",
+                    a.gate_up.cols, " elements but `x` has ", a.hidden, " features");
+  TORCH_CHECK_VALUE(a.hidden >= 1 && a.inter >= 1, "tutel::", kOp, ": `x` has ", a.hidden,
+                    " features and `down` rows of ", a.inter, " elements; both must be at least 1");
+  const bool gated = a.unit.activation == core::ExpertActivation::kGated;
+  const int64_t up_rows = gated ? 2 * a.inter : a.inter;
+  TORCH_CHECK_VALUE(a.gate_up.rows == up_rows, "tutel::", kOp, ": `gate_up` ", gate_up.sizes(), " must hold ",
+                    up_rows, " rows (", gated ? "gate and up rows, twice" : "up rows, as many as",
+                    " the ", a.inter, " elements of a `down` row), got ", a.gate_up.rows);
+  a.gate_up_bias = checked_bias(gate_up_bias, a.experts, up_rows, x, "gate_up_bias");
+  a.down_bias = checked_bias(down_bias, a.experts, a.outputs, x, "down_bias");
+  TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(up_offset), "tutel::", kOp,
+                    ": alpha and up_offset must be finite, got alpha=", alpha, " and up_offset=", up_offset);
+  TORCH_CHECK_VALUE(!limit.has_value() || (std::isfinite(*limit) && *limit > 0), "tutel::", kOp,
+                    ": limit must be None or a finite number > 0, got ", limit.value_or(0.0));
+  TORCH_CHECK_VALUE(gated || !interleaved, "tutel::", kOp, ": the ", activation,
+                    " unit has up rows only; `interleaved` must be false");
+  a.unit.gated = core::GatedUnit{alpha, up_offset, limit.has_value(), limit.value_or(0.0), interleaved};
+  return a;
+}
+
+}  // namespace ops
+}  // namespace tutel

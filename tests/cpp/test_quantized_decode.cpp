@@ -1,0 +1,167 @@
+// Quantized expert rows: the code tables against the formats' definitions computed here
+// independently (bit fields and powers of two in double), and the portable, AVX2 and AVX-512
+// row-dot kernels (those this CPU has) against double sums of the rows decoded element by element, for
+// every format, one and two rows, one to seventeen vectors, row lengths that end on partial blocks and
+// off the 8-element steps, and prefetching on or off.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/quantized_decode.h"
+
+using namespace tutel::core;
+
+namespace {
+
+double e4m3_definition(int b) {
+  const int sign = b >> 7, exponent = (b >> 3) & 15, mantissa = b & 7;
+  if (exponent == 15 && mantissa == 7) return std::nan("");
+  const double magnitude = exponent == 0 ? mantissa / 8.0 * std::pow(2.0, -6)
+                                         : (1 + mantissa / 8.0) * std::pow(2.0, exponent - 7);
+  return sign ? -magnitude : magnitude;
+}
+
+TEST(QuantCodes, TablesMatchTheDefinitions) {
+  const ByteTables& tables = byte_tables();
+  for (int b = 0; b < 256; ++b) {
+    const double want = e4m3_definition(b);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(tables.e4m3[b])) << b;
+    } else {
+      EXPECT_EQ(double(tables.e4m3[b]), want) << b;
+    }
+    if (b == 255) {
+      EXPECT_TRUE(std::isnan(tables.e8m0[b]));
+    } else {
+      EXPECT_EQ(double(tables.e8m0[b]), std::pow(2.0, b - 127)) << b;
+    }
+  }
+  EXPECT_EQ(e4m3_definition(0x7e), 448.0);  // the largest finite E4M3 value
+  const double magnitudes[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  for (int c = 0; c < 16; ++c) EXPECT_EQ(double(tables.e2m1[c]), (c & 8 ? -1 : 1) * magnitudes[c & 7]) << c;
+}
+
+// A random stack [E, N, K] of a format and its values in double, decoded here element by element.
+struct RandomStack {
+  QuantizedMatrix m;
+  std::vector<uint8_t> codes, byte_scales;
+  std::vector<float> float_scales, global_scales;
+
+  RandomStack(QuantFormat format, int64_t experts, int64_t rows, int64_t cols, int64_t block_rows,
+              int64_t block_cols, std::mt19937& rng) {
+    m.format = format;
+    m.rows = rows;
+    m.cols = cols;
+    m.block_rows = block_rows;
+    m.block_cols = block_cols;
+    codes.resize(size_t(experts * rows * m.code_bytes_per_row()));
+    for (auto& c : codes) {
+      c = uint8_t(rng());
+      if (format == QuantFormat::kFp8Block && (c & 0x7f) == 0x7f) c = 0x30;  // no NaN codes
+    }
+    m.codes = codes.data();
+    if (format == QuantFormat::kFp8Block) {
+      float_scales.resize(size_t(experts * ((rows + block_rows - 1) / block_rows) * m.scale_blocks_per_row()));
+      for (auto& s : float_scales) s = float(std::ldexp(1.0 + (rng() % 1000) / 1000.0, -8));
+      m.float_scales = float_scales.data();
+    } else {
+      byte_scales.resize(size_t(experts * rows * m.scale_blocks_per_row()));
+      // E8M0 around 2^-3; E4M3 between 2^-3 and 2^1.
+      for (auto& s : byte_scales) {
+        s = uint8_t(format == QuantFormat::kMxfp4 ? 122 + rng() % 4 : (4 + rng() % 5) << 3 | rng() % 8);
+      }
+      m.byte_scales = byte_scales.data();
+    }
+    if (format == QuantFormat::kNvfp4) {
+      for (int64_t e = 0; e < experts; ++e) global_scales.push_back(0.25f + 0.125f * float(e));
+      m.global_scales = global_scales.data();
+    }
+  }
+
+  double value(int64_t expert, int64_t row, int64_t k) const {
+    const uint8_t* row_codes = m.row_codes(expert, row);
+    if (m.format == QuantFormat::kFp8Block) {
+      return e4m3_definition(row_codes[k]) * m.row_float_scales(expert, row)[k / m.block_cols];
+    }
+    const int code = k & 1 ? row_codes[k / 2] >> 4 : row_codes[k / 2] & 15;
+    const double magnitudes[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    const double v = (code & 8 ? -1 : 1) * magnitudes[code & 7];
+    const uint8_t s = m.row_byte_scales(expert, row)[k / (m.format == QuantFormat::kMxfp4 ? 32 : 16)];
+    if (m.format == QuantFormat::kMxfp4) return v * std::pow(2.0, int(s) - 127);
+    return v * e4m3_definition(s) * m.global_scale(expert);
+  }
+};
+
+void check_kernels(const QuantKernels& kernels) {
+  std::mt19937 rng(7);
+  struct Case {
+    QuantFormat format;
+    int64_t cols, block_rows, block_cols;
+  };
+  const Case cases[] = {{QuantFormat::kMxfp4, 32, 1, 1},       {QuantFormat::kMxfp4, 96, 1, 1},
+                        {QuantFormat::kNvfp4, 16, 1, 1},       {QuantFormat::kNvfp4, 48, 1, 1},
+                        {QuantFormat::kFp8Block, 200, 128, 128}, {QuantFormat::kFp8Block, 37, 2, 24},
+                        {QuantFormat::kFp8Block, 5, 3, 2},      {QuantFormat::kFp8Block, 32, 1, 28},
+                        {QuantFormat::kFp8Block, 64, 2, 24},     {QuantFormat::kFp8Block, 80, 4, 48}};
+  for (const Case& c : cases) {
+    const int64_t experts = 3, rows = 7;
+    RandomStack stack(c.format, experts, rows, c.cols, c.block_rows, c.block_cols, rng);
+    const int64_t padded = (c.cols + kQuantVectorPadding - 1) / kQuantVectorPadding * kQuantVectorPadding;
+    for (int64_t prefetch : {int64_t(0), prefetch_rows_ahead(stack.m, 8)}) {
+      stack.m.prefetch_bytes = prefetch;
+      for (int count = 1; count <= 17; ++count) {
+        // Each vector zero up to its padding, then NaN: a kernel reading past the padding gives NaN.
+        const int64_t stride = padded + 16;
+        std::vector<float> x(size_t(count * stride), std::nanf(""));
+        std::vector<const float*> vectors;
+        std::normal_distribution<float> normal;
+        for (int v = 0; v < count; ++v) {
+          for (int64_t k = 0; k < padded; ++k) x[size_t(v * stride + k)] = k < c.cols ? normal(rng) : 0.0f;
+          vectors.push_back(x.data() + v * stride);
+        }
+        for (int row_count = 1; row_count <= 2; ++row_count) {
+          const int64_t expert = 2, picked[2] = {5, 2};  // rows in either order, not adjacent
+          std::vector<float> out(size_t(row_count * count));
+          kernels.dots(stack.m, expert, picked, row_count, vectors.data(), count, out.data());
+          for (int r = 0; r < row_count; ++r) {
+            for (int v = 0; v < count; ++v) {
+              double want = 0, scale = 0;
+              for (int64_t k = 0; k < c.cols; ++k) {
+                const double term = stack.value(expert, picked[r], k) * double(vectors[size_t(v)][k]);
+                want += term;
+                scale += std::fabs(term);
+              }
+              EXPECT_NEAR(out[size_t(r * count + v)], want, double(c.cols + 4) * std::ldexp(scale, -24) + 1e-30)
+                  << kernels.name << " format " << int(c.format) << " cols " << c.cols << " row " << r << " vector "
+                  << v << " of " << count;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizedDecode, PortableKernelsMatchDoubleSums) { check_kernels(portable_quant_kernels()); }
+
+TEST(QuantizedDecode, Avx2KernelsMatchDoubleSums) {
+  const QuantKernels* avx2 = avx2_quant_kernels();
+  if (avx2 == nullptr) GTEST_SKIP() << "no AVX2 + FMA + F16C on this CPU or in this build";
+  check_kernels(*avx2);
+}
+
+TEST(QuantizedDecode, Avx512KernelsMatchDoubleSums) {
+  const QuantKernels* avx512 = avx512_quant_kernels();
+  if (avx512 == nullptr) GTEST_SKIP() << "no AVX-512 (F, BW, VL) on this CPU or in this build";
+  check_kernels(*avx512);
+}
+
+TEST(QuantizedDecode, BestKernelsAreTheWidestThisCpuRuns) {
+  const QuantKernels* avx512 = avx512_quant_kernels();
+  const QuantKernels* avx2 = avx2_quant_kernels();
+  EXPECT_EQ(&best_quant_kernels(), avx512 ? avx512 : avx2 ? avx2 : &portable_quant_kernels());
+}
+
+}  // namespace
