@@ -49,12 +49,14 @@ def run_path(path: Path, layer, x: torch.Tensor, call: CallSettings, reserve_sha
         routing = route_in_one_pass(layer, x, call)
         experts = _experts(layer, call, routing.dispatch_count, reserve_shape)
         work = run(path, Work(x, experts, expert_ids=routing.expert_ids, weights=routing.weights))
-        return LayerResult(work.y.to(x.dtype), work.features, routing.l_aux, routing.dispatch_count,
-                           routing.weights.unbind(1), routing.logits)
+        y = work.y  # (.to costs a dispatch even with nothing to do)
+        return LayerResult(y if y.dtype == x.dtype else y.to(x.dtype), work.features, routing.l_aux,
+                           routing.dispatch_count, routing.weights.unbind(1), routing.logits)
     routing = route_call(layer, x, call, sequence_length, inequivalent_tokens)
     crit = routing.crit
     experts = _experts(layer, call, crit.dispatch_count, reserve_shape)
     work = run(path, Work(x, experts, crit=crit, at_combine=layer.is_postscore, dropless=call.capacity_factor == 0,
                           megablocks_size=call.megablocks_size))
-    return LayerResult(work.y.to(x.dtype), work.features, routing.l_aux, work.crit.dispatch_count, work.crit.gates_s,
-                       routing.logits)
+    y = work.y
+    return LayerResult(y if y.dtype == x.dtype else y.to(x.dtype), work.features, routing.l_aux,
+                       work.crit.dispatch_count, work.crit.gates_s, routing.logits)

@@ -230,7 +230,9 @@ class MOELayer(torch.nn.Module):
         reserve_dims, call, dtype, choice = plan_call(self, input, gate_index, capacity_factor, top_k,
                                                       a2a_ffn_overlap_degree, reserve_dims, adaptive_r, megablocks_size)
         reserve_shape = input.shape[-reserve_dims:]
-        x = input.reshape(-1, self.model_dim).to(dtype)
+        x = input.reshape(-1, self.model_dim)
+        if x.dtype != dtype:
+            x = x.to(dtype)
         # A sequence (for the sequence-wise balance loss) is the dim before the token's features.
         sequence_length = input.shape[-reserve_dims - 1] if input.dim() > reserve_dims + 1 else x.shape[0]
         result = run_path(choice.path, self, x, call, reserve_shape, sequence_length, inequivalent_tokens)
@@ -238,12 +240,16 @@ class MOELayer(torch.nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         features = list(result.features[-reserve_dims:])
-        output = y.view(list(input.shape[:-reserve_dims]) + features).to(input.dtype)
-        output.l_aux = self.l_aux = result.l_aux
-        # Tutel's record of the last call, for code that reads it (nothing in tutel does).
-        self.dispatch_count = self.local_dispatch_count = result.dispatch_count
-        self.megablocks_size = call.megablocks_size
-        self.protected_shape = torch.Size([y.shape[0], *features])
+        output = y.view(list(input.shape[:-reserve_dims]) + features)
+        if output.dtype != input.dtype:
+            output = output.to(input.dtype)
+        output.l_aux = result.l_aux
+        # The loss and Tutel's record of the last call (for code that reads it; nothing in tutel
+        # does): plain attributes, set in one go rather than through nn.Module.__setattr__, whose
+        # checks for parameters, buffers and submodules cost as much as a small call's routing.
+        self.__dict__.update(l_aux=result.l_aux, dispatch_count=result.dispatch_count,
+                             local_dispatch_count=result.dispatch_count, megablocks_size=call.megablocks_size,
+                             protected_shape=torch.Size([y.shape[0], *features]))
         return output, result
 
     def choose_path(self, input: torch.Tensor, **switches: Any) -> PathChoice:

@@ -27,8 +27,13 @@ def _any_autocast_by_device() -> bool:
 any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or _any_autocast_by_device
 
 
+_NOTHING = contextlib.nullcontext()  # (reusable: it holds no state)
+
+
 def without_autocast(device_type: str):
     """Context in which autocast is off for `device_type` (routing runs in full precision)."""
+    if not any_autocast():  # already off everywhere: entering and leaving torch.autocast would cost a call's routing
+        return _NOTHING
     if device_type in ("cpu", "cuda", "xpu", "hpu"):
         return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING
