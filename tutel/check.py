@@ -205,6 +205,13 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     # each expert's [model_dim, model_dim] matrix over the grouped rows
     weight = torch.randn(experts, model_dim, model_dim, generator=generator).to(dtype).to(device)
     grouped_grad = torch.randn(tokens * k, model_dim, generator=generator).to(dtype).to(device)
+    logits = torch.randn(tokens, experts, generator=generator).to(dtype).to(device)
+    # decode_experts at its largest size (32 tokens), experts of intermediate size model_dim / 2
+    decoded = min(tokens, 32)
+    decode_weights = torch.rand(decoded, k, generator=generator).to(device)
+    scale = model_dim ** -0.5
+    up_weight = (torch.randn(experts, model_dim, model_dim, generator=generator) * scale).to(dtype).to(device)
+    down_weight = (torch.randn(experts, model_dim, model_dim // 2, generator=generator) * scale).to(dtype).to(device)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
@@ -222,6 +229,10 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
         "grouped_rows_linear": lambda ops: ops.grouped_rows_linear(grouped, weight, bias, ends, False),
         "grouped_rows_linear_backward": lambda ops: ops.grouped_rows_linear_backward(
             grouped_grad, grouped, weight, ends, False, [True, True, True]),
+        "route_experts": lambda ops: ops.route_experts(logits, k, "softmax", False, None, 0, 0, True, 1.0, False,
+                                                       capacity, True),
+        "decode_experts": lambda ops: ops.decode_experts(x[:decoded], expert_ids[:decoded], decode_weights, up_weight,
+                                                         down_weight, None, None, False, *swiglu, False, None),
     }
 
 

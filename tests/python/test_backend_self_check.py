@@ -15,7 +15,7 @@ from tutel.ops.self_check import OPERATORS, compare_operators
 
 native = torch.ops.tutel
 CPU = torch.device("cpu")
-ROUNDED_SUMS = ("expert_row_sums", "grouped_rows_linear", "grouped_rows_linear_backward")
+ROUNDED_SUMS = ("expert_row_sums", "grouped_rows_linear", "grouped_rows_linear_backward", "decode_experts")
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +27,8 @@ def _default_environment(monkeypatch):
 def perturbed(operator: str, how: str = "first output"):
     """The CPU operators, except that `operator` returns a wrong result: its first output
     moved by one unit (the next float, or +1), or, with how="dots", its dot products by 1%.  An
-    operator that writes its first argument in place has that argument moved; the row sums and the
-    grouped products, which are compared to rounding, are moved by 5%."""
+    operator that writes its first argument in place has that argument moved; the row sums, the
+    grouped products and decode_experts' sums, which are compared to rounding, are moved by 5%."""
     def wrong(*args):
         outputs = getattr(native, operator)(*args)
         if outputs is None:  # in place: the written argument is the result

@@ -16,7 +16,10 @@ capturable): each chosen expert's matrices are read once for all the tokens that
 gated unit is applied in registers and each token's output is written once, summed over its
 choices in choice order (no float atomics: the same result from run to run).  It is made for 1
 to 32 tokens, where a grouped product wastes most of its tiles; ``decode_experts_supported``
-says where a caller should pick it.  On CPU it is ``routed_gated_experts`` itself.
+says where a caller should pick it.  On CPU it is ``routed_gated_experts`` itself.  Where the
+kernels fail the first-use self-check on a device (tutel.ops.backend), ``decode_experts`` runs the
+composite operator (tutel.ops.composite.decode_experts) there and ``decode_experts_supported`` says
+False, so the layer's paths take the grouped path instead.
 
 The operator has no backward: it is for inference (``torch.no_grad()`` /
 ``torch.inference_mode()``).  Train with ``tutel.experts.routed.routed_experts``.
@@ -27,7 +30,7 @@ import torch
 
 from .extension import load_extension
 from ..rules.lines import DECODE_MAX_CHOICES, DECODE_MAX_TOKENS  # the kernel's limits, why: tutel/rules/lines.py
-from .backend import fake_mode_active, requested_backend
+from .backend import fake_mode_active, operators_for, requested_backend
 from .checks import FLOATING_DTYPES, require_dim, require_floating, require_tensor, same_device
 from .decode_lines import within_line
 from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
@@ -51,7 +54,8 @@ def decode_experts_supported(tokens: int, k: int, dtype: torch.dtype,
     * tokens * k / experts is within the line measured for this GPU (its compute capability) and
       `dtype`, where one was (``tutel.ops.decode_lines``; not applied when `experts` is None);
     * tutel was built with CUDA (or a FakeTensorMode is active, where fake CUDA tensors take the
-      path of a CUDA build) and ``TUTEL_CUDA_BACKEND`` is not ``composite``.
+      path of a CUDA build), ``TUTEL_CUDA_BACKEND`` is not ``composite`` and the kernels passed the
+      first-use self-check on the device (tutel.ops.backend).
 
     Every matrix layout the operator takes is handled by the kernel: the ``F.linear`` layout and
     the transposed one, concatenated, interleaved or separate gates, with or without biases, any
@@ -68,7 +72,17 @@ def decode_experts_supported(tokens: int, k: int, dtype: torch.dtype,
         return False
     if not (fake_mode_active() or load_extension().with_cuda):
         return False
+    if not _kernel_chosen(device):
+        return False
     return within_line(tokens, k, experts, dtype, device)
+
+
+def _kernel_chosen(device: torch.device) -> bool:
+    """Whether tutel.ops.backend uses the decode_experts kernels on `device` (False where they
+    failed the first-use self-check; a device without an index is the current one)."""
+    if device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return operators_for(device).decode_experts is torch.ops.tutel.decode_experts
 
 
 def _check_routing(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor], where: str) -> None:
@@ -146,6 +160,11 @@ def decode_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[
         raise RuntimeError(f"{where} is for inference and has no backward, but an input requires a gradient: call "
                            "it under torch.no_grad() or torch.inference_mode(), or train with "
                            "tutel.experts.routed.routed_experts")
+    decode = operators_for(x.device).decode_experts
+    if decode is not torch.ops.tutel.decode_experts:
+        # The composite operator, where the CUDA kernels failed tutel.ops.backend's self-check.
+        return decode(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, bool(transposed),
+                      *unit_scalars(unit), bool(unit.interleaved), gate_weight)
     return decode_experts_planned(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed,
                                   unit, gate_weight)
 
@@ -156,7 +175,9 @@ def decode_experts_planned(x: torch.Tensor, expert_ids: torch.Tensor, weights: O
                            gate_weight: Optional[torch.Tensor]) -> torch.Tensor:
     """decode_experts for the tensors of tutel's routed experts and layer, which their own checks
     passed (the operator checks the shapes itself): no checks here, where they would cost more
-    Python than the rest of a decoding step's call.  The biases are taken in x's dtype."""
+    Python than the rest of a decoding step's call.  The biases are taken in x's dtype.  The paths
+    call it only where decode_experts_supported holds, that is where the kernels passed the
+    self-check, so it calls the compiled operator."""
     if up_bias is not None and up_bias.dtype != x.dtype:
         up_bias = up_bias.to(x.dtype)
     if down_bias is not None and down_bias.dtype != x.dtype:

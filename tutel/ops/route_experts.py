@@ -4,13 +4,16 @@ grouped-rows plan and the GShard loss in one operator (torch.ops.tutel.route_exp
 On CUDA the operator is two kernel launches and its backward one, with no host synchronisation:
 every output's size follows from the logits' shape and the int arguments, so a call traces on fake
 tensors and is captured by CUDA graphs.  On the CPU it runs csrc/core/route_experts.cpp, which gives
-the CUDA kernels' bits.
+the CUDA kernels' bits.  Where the kernels fail the first-use self-check on a device
+(tutel.ops.backend), the composite operator (tutel.ops.composite.route_experts) runs there instead,
+differentiated by autograd.
 """
 import math
 from typing import NamedTuple, Optional
 
 import torch
 
+from .backend import operators_for
 from .checks import require_dim, require_floating, require_int, require_top_k, same_device
 from .tracing import eager_without_grad
 
@@ -156,6 +159,11 @@ def route_experts_softmax(logits: torch.Tensor, k: int, renormalize: bool, batch
 
 
 def _routed(logits: torch.Tensor, *settings) -> ExpertRouting:
+    route = operators_for(logits.device).route_experts
+    if route is not torch.ops.tutel.route_experts:
+        # The composite operator, where the CUDA kernels failed tutel.ops.backend's self-check:
+        # PyTorch's autograd differentiates it.
+        return ExpertRouting(*route(logits, *settings))
     if eager_without_grad(logits):  # nothing to differentiate: no autograd wrapper
-        return ExpertRouting(*torch.ops.tutel.route_experts(logits, *settings))
+        return ExpertRouting(*route(logits, *settings))
     return ExpertRouting(*_RouteExperts.apply(logits, *settings))

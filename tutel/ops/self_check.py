@@ -4,18 +4,22 @@ Used at the first use of each CUDA device (the compiled kernels against the
 composite PyTorch operators, see tutel.ops.backend) and by ``python -m
 tutel.check``.  The implementations are parameters (objects with the operators
 as attributes, like ``torch.ops.tutel``), so the comparison itself is tested on
-the CPU.  Moves, counts and slots must agree exactly; the dot products of the
-gate gradient, which are reductions summed in another order, to the
-accumulation dtype's rounding.
+the CPU.  Moves, counts, slots and route_experts' choices and plan must agree
+exactly; the dot products of the gate gradient, route_experts' weights and loss,
+decode_experts' sums and the other reductions summed in another order, to their
+dtype's rounding.
 """
 import contextlib
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..rules.lines import DECODE_MAX_CHOICES, DECODE_MAX_TOKENS  # the decode kernel's limits
+
 OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
              "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "add_expert_bias_",
-             "expert_row_sums", "choice_rows", "grouped_rows_linear", "grouped_rows_linear_backward")
+             "expert_row_sums", "choice_rows", "grouped_rows_linear", "grouped_rows_linear_backward", "route_experts",
+             "decode_experts")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
@@ -39,6 +43,17 @@ _ROW_SUM_TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-10), torch.float3
 # products): each value to the accumulation dtype's rounding of sums of up to a few thousand terms
 # of size ~1, then one rounding to the data dtype.
 _PRODUCTS = {"grouped_rows_linear", "grouped_rows_linear_backward"}
+# route_experts' floating outputs (the weights, 1, and the loss, 8) are in the accumulation dtype,
+# computed from the same scores in another order: to that dtype's rounding.  Its other outputs are
+# integers, compared exactly.
+_ROUTE_EXPERTS = "route_experts"
+_ROUTING_FLOATS = {1, 8}
+_ROUTING_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+# decode_experts' [T, O] result: the accumulation dtype's sums of a few hundred products of size ~1,
+# then one rounding to the data dtype (the CPU operator also rounds the gated unit's values to it).
+_DECODE_EXPERTS = "decode_experts"
+_DECODE_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4),
+                      torch.bfloat16: dict(rtol=4e-2, atol=4e-2), torch.float16: dict(rtol=6e-3, atol=6e-3)}
 # Operators that write their result into an argument (its number) and return nothing.
 _IN_PLACE = {"add_expert_bias_": 0}
 # Operators whose arguments keep their strides on the device they are moved to (row-strided views
@@ -97,6 +112,7 @@ def _distinct_slots(s: Sizes, generator: torch.Generator) -> Tuple[torch.Tensor,
 def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
     g = torch.Generator().manual_seed(seed)
     rows_generator = torch.Generator().manual_seed(seed + 1)  # the grouped rows' cases draw from their own
+    routing_generator = torch.Generator().manual_seed(seed + 2)  # and so do route_experts' and decode_experts'
 
     def randn(*shape, dtype):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -133,6 +149,8 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
                            (src, *distinct, w, None, s.experts, s.capacity))
         yield from _expert_cases(s, tag, g)
         yield from _expert_row_cases(s, tag, rows_generator)
+        yield from _route_experts_cases(s, tag, routing_generator)
+        yield from _decode_experts_cases(s, routing_generator)
         yield Case("assign_locations", f"{tag} token order",
                    (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
         for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
@@ -227,6 +245,114 @@ def _expert_row_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
                        (grad, grouped, weight, ends, transposed, mask))
 
 
+# route_experts' integer outputs follow from comparisons of scores that the two implementations
+# compute with different exponentials and sums, so the cases compare only numbers that come out
+# the same in both, whatever the last bit of a score (tests/python/test_self_check_routing.py
+# checks these levels for every dtype):
+# * softmax over logits on two levels 45 apart: a token's top score is 1/m for its m best experts
+#   (the others add at most 600 e^-45 < 2^-54 to the sum, below float64's rounding of m), so equal m
+#   tie exactly across tokens, and the levels within a row are a factor e^45 apart;
+# * sigmoid and sqrt(softplus) of logits on the levels (i + 0.07) / 4, |i| <= 12: equal logits give
+#   equal scores, distinct ones scores far apart, none within a float32 rounding of a 16-bit
+#   float's rounding boundary, no two pairs with (nearly) equal sums (the group scores), and a
+#   selection bias that is one multiple of 4 per group (scores stay below 2, so a bias never
+#   brings two scores close, and two groups holding the same scores tie exactly or differ by 8);
+# * softmax_after_topk ranks the logits themselves (multiples of 1/4, -0 and NaN) plus biases that
+#   are multiples of 1/4: exact sums.
+ROUTING_LEVELS = tuple((i + 0.07) / 4 for i in range(-12, 13))
+_BIAS_STEP = 4.0
+
+
+SOFTMAX_LEVEL_GAP = 45.0
+
+
+def _softmax_levels(tokens: int, experts: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Logits offset or offset - SOFTMAX_LEVEL_GAP, a per-token integer offset in [-2, 2]."""
+    levels = -SOFTMAX_LEVEL_GAP * torch.randint(0, 2, (tokens, experts), generator=generator).to(torch.float64)
+    offsets = torch.randint(-2, 3, (tokens, 1), generator=generator).to(torch.float64)
+    return (levels + offsets).to(dtype)
+
+
+def _scored_levels(tokens: int, experts: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Logits on ROUTING_LEVELS, with many exact ties."""
+    levels = torch.tensor(ROUTING_LEVELS, dtype=torch.float64)
+    return levels[torch.randint(0, len(ROUTING_LEVELS), (tokens, experts), generator=generator)].to(dtype)
+
+
+def _groups(experts: int, k: int) -> Tuple[int, int]:
+    """(n_group, topk_group): the smallest divisor >= 2 of the experts (else 1 group), and enough
+    kept groups for k choices (about half of the groups when that is more)."""
+    n_group = next((d for d in range(2, experts + 1) if experts % d == 0), 1)
+    size = experts // n_group
+    return n_group, min(n_group, max(-(-k // size), n_group // 2))
+
+
+def _route_experts_cases(s: Sizes, tag: str, g: torch.Generator) -> Iterator[Case]:
+    """route_experts in every data dtype: softmax with batch priority, capacity, renormalisation and
+    the loss; sigmoid or sqrt(softplus) with a selection bias per group, groups, scaling, batch priority and
+    (for some dtypes) no capacity; softmax_after_topk over tied logits with -0 and NaN, a bias and no
+    loss.  The inputs are the levels described above."""
+    k = min(s.k, s.experts)
+    for number, dtype in enumerate(DATA_DTYPES):
+        name = str(dtype).replace("torch.", "")
+        label = f"{name} {tag} capacity={s.capacity}"
+        yield Case(_ROUTE_EXPERTS, f"{label} softmax, levels {SOFTMAX_LEVEL_GAP:g} apart, prioritized, renormalized",
+                   (_softmax_levels(s.tokens, s.experts, dtype, g), k, "softmax", False, None, 0, 0, True, 1.0,
+                    True, s.capacity, True))
+        score = "sigmoid" if number % 2 == 0 else "sqrt_softplus"
+        bias_dtype = torch.float32 if number < 2 else torch.float64
+        n_group, topk_group = _groups(s.experts, k)
+        bias = (torch.randint(0, 3, (n_group,), generator=g) * _BIAS_STEP).repeat_interleave(s.experts // n_group)
+        bias = bias.to(bias_dtype)
+        capacity = -1 if number % 2 else s.capacity
+        yield Case(_ROUTE_EXPERTS, f"{label} {score}, bias, groups {n_group}/{topk_group}, capacity {capacity}",
+                   (_scored_levels(s.tokens, s.experts, dtype, g), k, score, False, bias, n_group, topk_group, True,
+                    2.5, True, capacity, True))
+        bias = (torch.randint(-4, 5, (s.experts,), generator=g) / 4).to(bias_dtype)
+        yield Case(_ROUTE_EXPERTS, f"{label} softmax_after_topk, tied logits with NaN, bias, no loss",
+                   (_tied_scores(s.tokens, s.experts, dtype, g), k, "softmax", True, bias, 0, 0, False, 1.0, True,
+                    s.capacity, False))
+
+
+_DECODE_FORMS = ("concatenated", "interleaved", "separate")
+
+
+def _decode_experts_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
+    """decode_experts at the kernel's sizes (up to DECODE_MAX_TOKENS tokens and DECODE_MAX_CHOICES
+    choices) in every data dtype, both matrix layouts, the three gate forms in turn (concatenated
+    SwiGLU, gpt-oss' interleaved clamped unit with biases, separate gate matrices), int32 and int64
+    ids with dropped choices, float32, bfloat16 or no routing weights."""
+    tokens = min(s.tokens, DECODE_MAX_TOKENS)
+    k = max(1, min(s.k, DECODE_MAX_CHOICES // max(tokens, 1)))
+    hidden, inter, outputs = s.model_dim, min(s.model_dim, 64), s.model_dim + 3
+    for number, dtype in enumerate(DATA_DTYPES):
+        name = str(dtype).replace("torch.", "")
+        for transposed in (False, True):
+            form = _DECODE_FORMS[(number + transposed) % 3]
+            separate, interleaved = form == "separate", form == "interleaved"
+            width = inter if separate else 2 * inter
+            ids = torch.randint(-1, s.experts + 1, (tokens, k), generator=g)  # -1 and E: dropped
+            ids = ids.to(torch.int64 if transposed else torch.int32)
+            weights = None if number == 3 and transposed else \
+                (torch.rand(tokens, k, generator=g) + 0.25).to(torch.bfloat16 if transposed else torch.float32)
+
+            def matrix(rows: int, columns: int) -> torch.Tensor:
+                shape = (s.experts, columns, rows) if transposed else (s.experts, rows, columns)
+                return (torch.randn(*shape, generator=g) * columns ** -0.5).to(dtype)
+
+            up = matrix(width, hidden)
+            gate = matrix(width, hidden) if separate else None
+            down = matrix(outputs, inter)
+            up_bias = (torch.randn(s.experts, width, generator=g) * 0.5).to(dtype) if interleaved else None
+            down_bias = (torch.randn(s.experts, outputs, generator=g) * 0.5).to(dtype) if interleaved else None
+            alpha, up_offset, limit = (1.702, 1.0, 1.5) if interleaved else (1.0, 0.0, None)
+            x = torch.randn(tokens, hidden, generator=g).to(dtype)
+            yield Case(_DECODE_EXPERTS, f"{name} tokens={tokens} k={k} experts={s.experts} H={hidden} I={inter} "
+                                        f"O={outputs} {form} transposed={transposed}",
+                       (x, ids, weights, up, down, up_bias, down_bias, transposed, alpha, up_offset, limit,
+                        interleaved, gate))
+
+
 def _to(value, device: torch.device, keep_layout: bool = False):
     if not isinstance(value, torch.Tensor):
         return value
@@ -251,6 +377,12 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
     if operator in _UNITS:
         return _compare_unit_values(number, expected, got)
+    if (operator == _ROUTE_EXPERTS and number in _ROUTING_FLOATS) or operator == _DECODE_EXPERTS:
+        tolerances = _DECODE_TOLERANCES if operator == _DECODE_EXPERTS else _ROUTING_TOLERANCES
+        close = torch.isclose(got, expected, equal_nan=True, **tolerances[expected.dtype])
+        if bool(close.all()):
+            return None
+        return f"output {number}: {int((~close).sum())} of {close.numel()} values differ beyond rounding"
     if operator == _ROW_SUMS or operator in _PRODUCTS:
         close = torch.isclose(got, expected, equal_nan=True, **_ROW_SUM_TOLERANCES[expected.dtype])
         if bool(close.all()):

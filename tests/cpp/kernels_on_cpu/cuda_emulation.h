@@ -7,23 +7,45 @@
 // function; tutel::emulation::launch runs one grid of it.
 //
 // Execution model:
-// * The blocks of a grid run one after another, in an order set by the
-//   schedule (ascending, descending, shuffled, run-ahead).  Each block's
-//   threads are fibers with stacks of their own on the calling thread (switched
-//   by a few instructions on x86-64, by ucontext elsewhere), scheduled
-//   cooperatively: a thread
-//   runs until it waits at __syncthreads, at a warp operation, or exits.  So
-//   barriers and warp operations have CUDA's semantics (independent thread
-//   scheduling: lanes of a warp meet only at *_sync operations), and the
-//   interleaving between them is set by the schedule; the shuffled schedule
-//   also switches threads after every atomic.
-// * __shared__ variables are statics in their own section; the whole section
-//   is filled with 0xff bytes before every block (shared memory starts
-//   undefined on a GPU; ints read as -1 and floats as NaN), and a file whose
+// * The blocks of a grid run as the grid schedule says (LaunchOptions::grid):
+//   one after another (in the order the thread schedule gives them: ascending,
+//   descending, shuffled; run-ahead takes ascending), optionally with one block
+//   moved behind all others; or interleaved, up to `resident_blocks` blocks in
+//   progress at once, switching between them at barriers, fences, atomics and
+//   spin waits (the next block chosen at random from the seed), optionally with
+//   one block starved after its first fence or atomic until no other block can
+//   move on.  Each block keeps its own __shared__ memory.
+// * Each block's threads are fibers with stacks of their own on the calling
+//   thread (switched by a few instructions on x86-64, by ucontext elsewhere),
+//   scheduled cooperatively: a thread runs until it waits at __syncthreads, at a
+//   warp operation, or exits (and, under the interleaved grid schedules, after a
+//   fence, an atomic or a spin wait).  So barriers and warp operations have
+//   CUDA's semantics (independent thread scheduling: lanes of a warp meet only
+//   at *_sync operations), and the interleaving between them is set by the
+//   schedule; the shuffled schedule also switches threads after every atomic.
+// * __shared__ variables are statics in their own section (those of function
+//   templates, which GCC keeps out of the section, are found in the symbol
+//   table); they are filled with 0xff bytes before every block (shared memory
+//   starts undefined on a GPU; ints read as -1 and floats as NaN), saved and
+//   restored when blocks are interleaved, and a file whose (non-template)
 //   __shared__ variables exceed 48 KiB is refused.
-// * Memory is sequentially consistent and atomics are trivially atomic:
-//   missing fences are not modelled (a missing __syncwarp that a later *_sync
-//   operation makes harmless on the CPU may still race on a GPU).
+// * Global memory is sequentially consistent, except in the regions named by
+//   LaunchOptions::weak_memory, whose ordering is a GPU's as far as a missing
+//   release fence goes: a thread's plain stores there stay private to its block
+//   until the thread (or, for stores made before a barrier the thread passed,
+//   any thread of the block) executes __threadfence, or the kernel ends.  Other
+//   blocks read the last published bytes meanwhile, so a block that signals
+//   with an atomic before fencing hands stale data to the block that acts on
+//   the signal.  Atomics act on published memory and publish their result at
+//   once.  Stores are found by comparing the regions with a copy at fences,
+//   atomics, barriers and block switches, so keep the regions small.  Acquire
+//   fences are not modelled (a reader always sees published bytes).
+// * Spin loops call wait_for_other_blocks; where blocks run one after another
+//   that fails the launch (the blocks waited for have not run), and the
+//   interleaved schedules run other blocks meanwhile, failing the launch when
+//   every block in progress waits.
+// * A missing __syncwarp that a later *_sync operation makes harmless on the
+//   CPU may still race on a GPU.
 //
 // Anything not modelled fails the launch with tutel::emulation::EmulationError
 // naming the kernel, block, thread and source line, rather than passing:
@@ -44,6 +66,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 // ---------------------------------------------------------- vector types --
 struct uint3 { unsigned x, y, z; };
@@ -66,15 +89,29 @@ class EmulationError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The order in which a block's ready threads run (and the blocks of a grid).
-// Released threads queue behind the others, except with kRunAhead: there the
-// threads a warp operation or barrier releases run first, so one warp may
-// finish before the next one starts (as it may on a GPU).
+// The order in which a block's ready threads run (and, run one after
+// another, the blocks of a grid).  Released threads queue behind the others,
+// except with kRunAhead: there the threads a warp operation or barrier
+// releases run first, so one warp may finish before the next one starts (as it
+// may on a GPU).
 enum class Schedule { kAscending, kDescending, kShuffled, kRunAhead };
+
+// How the blocks of a grid run (see the execution model above).  The delayed
+// block of the *Delayed schedules is block number seed % blocks (row-major).
+enum class GridSchedule { kSequential, kSequentialDelayed, kInterleaved, kInterleavedDelayed };
+
+// A range of global memory.
+struct MemoryRegion {
+  const void* base;
+  size_t bytes;
+};
 
 struct LaunchOptions {
   Schedule schedule = Schedule::kAscending;
-  uint64_t seed = 0;  // for kShuffled
+  uint64_t seed = 0;  // for kShuffled and the grid schedules' choices
+  GridSchedule grid = GridSchedule::kSequential;
+  unsigned resident_blocks = 4;  // blocks in progress at once when interleaved
+  std::vector<MemoryRegion> weak_memory;  // global memory ordered as on a GPU (see above)
 };
 
 // Runs `thread_body` once per thread of a grid_x x grid_y grid of blocks of
@@ -108,8 +145,14 @@ void syncthreads(Site site);
 // Posts this lane's part of a warp operation and returns its result once every
 // lane of `mask` has posted (see cuda_emulation.cpp for each op).
 uint64_t warp_op(Site site, WarpOp op, unsigned mask, uint64_t value, int argument, int width);
-// A point where the shuffled schedule switches to another thread.
-void atomic_done();
+// Around an atomic read-modify-write of `bytes` at `address`: publishes the
+// block's pending stores there first and the result after (weak memory), and
+// is a point where the shuffled and interleaved schedules switch threads.
+void atomic_begin(const void* address, size_t bytes);
+void atomic_done(const void* address, size_t bytes);
+// __threadfence: publishes the thread's stores (weak memory); a switch point
+// of the interleaved schedules.
+void fence();
 
 template <class T>
 uint64_t to_bits(T value) {
@@ -131,6 +174,13 @@ T shuffle(Site site, WarpOp op, unsigned mask, T value, int argument, int width)
 }
 
 }  // namespace detail
+
+// A kernel's spin loop (under TUTEL_HOST_EMULATION) calls this each time what
+// it waits for is not there yet: the interleaved grid schedules run other
+// blocks meanwhile; where blocks run one after another the launch fails with
+// `why` (the blocks it waits for have not run, or will not run before it ends).
+void wait_for_other_blocks(const char* why);
+
 }  // namespace emulation
 }  // namespace tutel
 
@@ -186,48 +236,41 @@ unsigned emulated_match_any(Site site, unsigned mask, T value) {
 }  // namespace emulation
 }  // namespace tutel
 
-// Atomics return the old value; one runs at a time, then the shuffled
-// schedule may switch threads.
+// Atomics return the old value; one runs at a time, on published memory
+// (weak memory), then the shuffled and interleaved schedules may switch threads.
+#define TUTEL_EMULATED_ATOMIC(address, update)                                  \
+  ::tutel::emulation::detail::atomic_begin(address, sizeof(*address));          \
+  const T old = *address;                                                        \
+  update;                                                                        \
+  ::tutel::emulation::detail::atomic_done(address, sizeof(*address));           \
+  return old
 template <class T>
 T atomicAdd(T* address, T value) {
-  const T old = *address;
-  *address = old + value;
-  ::tutel::emulation::detail::atomic_done();
-  return old;
+  TUTEL_EMULATED_ATOMIC(address, *address = old + value);
 }
 template <class T>
 T atomicMax(T* address, T value) {
-  const T old = *address;
-  if (value > old) *address = value;
-  ::tutel::emulation::detail::atomic_done();
-  return old;
+  TUTEL_EMULATED_ATOMIC(address, if (value > old) *address = value);
 }
 template <class T>
 T atomicMin(T* address, T value) {
-  const T old = *address;
-  if (value < old) *address = value;
-  ::tutel::emulation::detail::atomic_done();
-  return old;
+  TUTEL_EMULATED_ATOMIC(address, if (value < old) *address = value);
 }
 template <class T>
 T atomicCAS(T* address, T compare, T value) {
-  const T old = *address;
-  if (old == compare) *address = value;
-  ::tutel::emulation::detail::atomic_done();
-  return old;
+  TUTEL_EMULATED_ATOMIC(address, if (old == compare) *address = value);
 }
 template <class T>
 T atomicExch(T* address, T value) {
-  const T old = *address;
-  *address = value;
-  ::tutel::emulation::detail::atomic_done();
-  return old;
+  TUTEL_EMULATED_ATOMIC(address, *address = value);
 }
+#undef TUTEL_EMULATED_ATOMIC
 
-// Fences order memory on a GPU; memory here is sequentially consistent.
-inline void __threadfence() {}
+// Fences order global memory at the device's scope (see weak memory above);
+// the block scope needs nothing here (a block's threads share one view).
+inline void __threadfence() { ::tutel::emulation::detail::fence(); }
 inline void __threadfence_block() {}
-inline void __threadfence_system() {}
+inline void __threadfence_system() { ::tutel::emulation::detail::fence(); }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }

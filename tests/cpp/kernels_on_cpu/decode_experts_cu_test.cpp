@@ -5,6 +5,8 @@
 // sizes (the element-wise and vector kernels), both matrix layouts, the three gate forms
 // (concatenated, interleaved with gpt-oss' clamped unit and biases, separate gate matrices),
 // repeated and dropped experts, experts without tokens, int32 and int64 ids, every weight dtype.
+// Both layouts also run under the cross-block schedules (the down kernel's blocks hand each
+// token's rows to the block that completes its count) with the kernels' buffers as weak memory.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -245,8 +247,10 @@ struct Launched {
   bool gate_up_vector, down_vector;
 };
 
-// What decode_experts_cuda launches.
-Launched decode_on_cpu(const Problem& p, const Case& c, const DecodeRun& run, const LaunchOptions& options) {
+// What decode_experts_cuda launches; with `weak`, the buffers the kernels write are weak memory
+// (cuda_emulation.h): a y row read before its block fenced it reads as the garbage it started as.
+Launched decode_on_cpu(const Problem& p, const Case& c, const DecodeRun& run, LaunchOptions options,
+                       bool weak = false) {
   const Tensors t = lay_out(p, c, run);
   DeviceBuffer<storage_t> x(p.x), up(t.up), gate(t.gate), down(t.down), up_bias(t.up_bias), down_bias(t.down_bias);
   DeviceBuffer<int32_t> ids32(t.ids32);
@@ -258,6 +262,7 @@ Launched decode_on_cpu(const Problem& p, const Case& c, const DecodeRun& run, co
   DeviceBuffer<acc_t> h(c.tokens * c.k * c.inter), y(c.tokens * c.k * c.outputs);
   DeviceBuffer<int> counters(plan.counter_ints);
   DeviceBuffer<storage_t> out(c.tokens * c.outputs);
+  if (weak) options.weak_memory = {h.region(), y.region(), counters.region(), out.region()};
   TutelDecodeRouting routing{};
   routing.expert_ids = run.ids_int64 ? static_cast<const void*>(ids64.data()) : static_cast<const void*>(ids32.data());
   routing.ids_token_stride = c.k;
@@ -310,6 +315,18 @@ std::vector<DecodeRun> runs_of(const Case& c) {
   return std::vector<DecodeRun>(all, all + std::min<int>(c.runs, 6));
 }
 
+void expect_close(const Launched& got, const Reference& want, const Case& c, const DecodeRun& run,
+                  const LaunchOptions& options, bool weak) {
+  for (int64_t q = 0; q < c.tokens * c.outputs; ++q) {
+    const long double v = value_of(got.out[q]);
+    ASSERT_LE(std::fabs(v - want.out[q]), want.bound[q])
+        << "token " << q / c.outputs << ", output " << q % c.outputs << ": got " << double(v) << ", want "
+        << double(want.out[q]) << "; transposed " << run.transposed << ", gate form " << int(run.gate)
+        << ", vector kernels " << got.gate_up_vector << got.down_vector << ", schedule " << int(options.schedule)
+        << ", grid schedule " << int(options.grid) << (weak ? ", weak memory" : "");
+  }
+}
+
 class DecodeExpertsCu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DecodeExpertsCu, MatchesFloat64Loop) {
@@ -321,14 +338,12 @@ TEST_P(DecodeExpertsCu, MatchesFloat64Loop) {
     // The first run under run-ahead (which exposes a missing barrier), the others in turn.
     const LaunchOptions options = schedule_for_case(run_index == 0 ? 3 : int(c.tokens + c.experts) + run_index);
     ++run_index;
-    const Launched got = decode_on_cpu(p, c, run, options);
     const Reference want = reference(p, c, run);
-    for (int64_t q = 0; q < c.tokens * c.outputs; ++q) {
-      const long double v = value_of(got.out[q]);
-      ASSERT_LE(std::fabs(v - want.out[q]), want.bound[q])
-          << "token " << q / c.outputs << ", output " << q % c.outputs << ": got " << double(v) << ", want "
-          << double(want.out[q]) << "; transposed " << run.transposed << ", gate form " << int(run.gate)
-          << ", vector kernels " << got.gate_up_vector << got.down_vector << ", schedule " << int(options.schedule);
+    expect_close(decode_on_cpu(p, c, run, options), want, c, run, options, false);
+    // The first two runs (one per layout) again with blocks interleaved or delayed and weak memory.
+    if (run_index <= 2) {
+      const LaunchOptions cross = cross_block_schedules_for_case(int(c.tokens + c.experts))[run_index - 1];
+      expect_close(decode_on_cpu(p, c, run, cross, true), want, c, run, cross, true);
     }
   }
 }

@@ -17,6 +17,20 @@ std::vector<LaunchOptions> schedules_for_case(int case_index) {
   return {run_ahead, other};
 }
 
+std::vector<LaunchOptions> cross_block_schedules_for_case(int case_index) {
+  static const GridSchedule kGrids[] = {GridSchedule::kInterleaved, GridSchedule::kInterleavedDelayed,
+                                        GridSchedule::kSequentialDelayed};
+  static const unsigned kResident[] = {2, 4, 3, 8};
+  std::vector<LaunchOptions> schedules;
+  for (int i = 0; i < 2; ++i) {
+    LaunchOptions options = schedule_for_case(case_index + i);
+    options.grid = kGrids[(case_index + i) % 3];
+    options.resident_blocks = kResident[(case_index + i) % 4];
+    schedules.push_back(options);
+  }
+  return schedules;
+}
+
 void expect_same_error(const ErrorChannel& channel, const tutel::core::Status& status, int op) {
   const auto error = channel.error();
   if (status.ok()) {

@@ -20,7 +20,9 @@
 
 namespace kernels_on_cpu {
 
+using tutel::emulation::GridSchedule;
 using tutel::emulation::LaunchOptions;
+using tutel::emulation::MemoryRegion;
 using tutel::emulation::Schedule;
 
 // Cycles through the schedules so that cases of one test run under different
@@ -30,6 +32,21 @@ LaunchOptions schedule_for_case(int case_index);
 // The schedules a case runs under: run-ahead (which exposes a missing barrier
 // between phases of a kernel) and one of the others, in turn.
 std::vector<LaunchOptions> schedules_for_case(int case_index);
+
+// The schedules for kernels whose blocks hand data to one another through
+// global memory (an atomic count or flag, and the data it guards): blocks
+// interleaved, interleaved with one block starved after its first fence or
+// atomic, one after another with one block moved behind the others; two of
+// them per case, in turn, with varied thread orders and resident blocks.  The
+// caller adds the launch's buffers as LaunchOptions::weak_memory, so that a
+// store published without a fence shows as stale data (see cuda_emulation.h).
+std::vector<LaunchOptions> cross_block_schedules_for_case(int case_index);
+
+// The memory of a vector, as a weak-memory region.
+template <class T>
+MemoryRegion region_of(const std::vector<T>& v) {
+  return MemoryRegion{v.data(), v.size() * sizeof(T)};
+}
 
 // Launches `body` (one kernel call) as csrc/cuda/launch.h launches on a GPU:
 // nothing for an empty grid, refused for a grid CUDA cannot launch.
@@ -75,6 +92,7 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   T* data() const { return base_ == nullptr ? nullptr : base_ + shift_; }
+  MemoryRegion region() const { return MemoryRegion{data(), size_t(n_) * sizeof(T)}; }
   std::vector<T> values() const { return n_ == 0 ? std::vector<T>() : std::vector<T>(data(), data() + n_); }
 
  private:

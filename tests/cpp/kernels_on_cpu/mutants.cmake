@@ -49,3 +49,17 @@ tutel_kernel_mutant(decode_experts gate_up_partials_without_barrier TUTEL_DTYPE_
 tutel_kernel_mutant(decode_experts combine_without_routing_weight TUTEL_DTYPE_BFLOAT16
   "const acc_t w = routing_weight(r, t, j);"
   "const acc_t w = acc_t(1);")
+
+# Cross-block ordering (issue 46, guards for GPU-only faults): a block that publishes its data and
+# then signals with an atomic, without the fence between.  Only the weak-memory model of the
+# cross-block schedules (cuda_emulation.h) can catch these: with sequentially consistent memory
+# both mutants give the right results.  decode_experts.cu: the down kernel's y rows counted done
+# before they are fenced, so the block completing a token's count sums stale rows.
+tutel_kernel_mutant(decode_experts combine_without_fence TUTEL_DTYPE_FLOAT32
+  "  __threadfence();  // this thread's y stores are visible to the block that combines them\n"
+  "")
+# route_experts.cu: route_experts_plan's phases counted done before the block's stores are fenced
+# (claiming positions, scanned columns, ...), so the blocks of the next phase read stale ones.
+tutel_kernel_mutant(route_experts phase_done_without_fence TUTEL_DTYPE_FLOAT32
+  "  __shared__ int completes;\n  __threadfence();\n  __syncthreads();"
+  "  __shared__ int completes;\n  __syncthreads();")

@@ -2,7 +2,9 @@
 // (route_experts_route, then route_experts_plan; route_experts_backward), against csrc/core's
 // route_experts_forward / route_experts_backward: every output bit for bit, for every score
 // function, softmax_after_topk, bias, group limit, renormalisation, scaling, batch priority,
-// capacity and the loss, with ties, NaN, +-0 and +-inf among the logits.
+// capacity and the loss, with ties, NaN, +-0 and +-inf among the logits.  The forward also runs under
+// the cross-block schedules (route_experts_plan's blocks pass phases through counters and fences)
+// with its buffers as weak memory.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,7 +18,11 @@
 #include "core/route_experts.h"
 #include "core/scalar.h"
 #include "harness.h"
-#include "../../../kernels/route_experts.cu"
+// The kernel file under test: a mutant build (mutants.cmake) names a copy with one bug in it.
+#ifndef TUTEL_KERNEL_SOURCE
+#define TUTEL_KERNEL_SOURCE "../../../kernels/route_experts.cu"
+#endif
+#include TUTEL_KERNEL_SOURCE
 #include "variant_types.h"
 
 namespace {
@@ -110,6 +116,14 @@ struct Routing {
         row_choices(garbage<int32_t>(core::route_experts_rows(c.tokens, c.experts, c.k, c.capacity))),
         weights(garbage<acc_t>(c.k * c.tokens)), loss(garbage<acc_t>(1)),
         dispatch_count(garbage<int64_t>(c.experts)) {}
+
+  void zero() {
+    for (auto* v : {&expert_ids, &locations, &counts, &grouped_locations, &ends, &row_choices})
+      std::fill(v->begin(), v->end(), 0);
+    std::fill(weights.begin(), weights.end(), acc_t(0));
+    loss[0] = acc_t(0);
+    std::fill(dispatch_count.begin(), dispatch_count.end(), 0);
+  }
 };
 
 tutel::cuda::RouteExpertsPlan plan_for(const Case& c, bool prioritized, bool loss) {
@@ -129,14 +143,27 @@ tutel::cuda::RouteExpertsPlan plan_for(const Case& c, bool prioritized, bool los
   return plan;
 }
 
-// The CUDA operator's forward with the emulated kernels.
-Routing route_on_cpu(const Case& c, const Inputs& in, const LaunchOptions& options) {
+// The CUDA operator's forward with the emulated kernels.  With `weak`, every buffer the kernels write
+// is weak memory (cuda_emulation.h) and starts as zeros instead of garbage: a block that reads
+// another's unpublished store then sees zeros, which keep every index the plan derives from it in
+// range, so a missing fence shows as a wrong result rather than as a write outside the buffers.
+Routing route_on_cpu(const Case& c, const Inputs& in, LaunchOptions options, bool weak = false) {
   const bool prioritized = c.prioritized && c.tokens > 0, loss = c.loss && c.tokens > 0;
   const auto plan = plan_for(c, prioritized, loss);
   Routing r(c);
   std::vector<int> workspace = garbage<int>(plan.int_workspace_ints);
   std::vector<acc_t> acc_workspace = garbage<acc_t>(plan.acc_workspace);
   std::vector<sort_key_t> keys = garbage<sort_key_t>(plan.key_workspace);
+  if (weak) {
+    r.zero();
+    std::fill(workspace.begin(), workspace.end(), 0);
+    std::fill(acc_workspace.begin(), acc_workspace.end(), acc_t(0));
+    std::fill(keys.begin(), keys.end(), sort_key_t(0));
+    options.weak_memory = {region_of(workspace), region_of(acc_workspace), region_of(keys), region_of(r.expert_ids),
+                           region_of(r.locations), region_of(r.counts), region_of(r.grouped_locations),
+                           region_of(r.ends), region_of(r.row_choices), region_of(r.weights), region_of(r.loss),
+                           region_of(r.dispatch_count)};
+  }
   int* sync = workspace.data();
   int* table = sync + TUTEL_ROUTE_SYNC_INTS;
   int* run_tokens = prioritized ? table + plan.table_ints : nullptr;
@@ -237,6 +264,17 @@ TEST_P(RouteExpertsCu, ForwardAndBackwardMatchCoreBitForBit) {
             << "grad_logits";
       }
     }
+  }
+  if (c.large) return;
+  // The plan kernel's phases (tickets, counters, fences) with blocks interleaved or delayed and
+  // stores unpublished until fenced.
+  std::vector<LaunchOptions> cross_block = cross_block_schedules_for_case(int(seed % 89));
+  if (c.chunk_tokens != 0) cross_block.resize(1);  // over a thousand blocks: one is enough
+  for (const LaunchOptions& options : cross_block) {
+    SCOPED_TRACE(::testing::Message() << "grid schedule " << int(options.grid) << ", resident "
+                                      << options.resident_blocks << ", schedule " << int(options.schedule)
+                                      << ", weak memory");
+    expect_same_routing(route_on_cpu(c, in, options, true), want);
   }
 }
 
