@@ -20,7 +20,9 @@ What an experts module may offer besides ``forward`` (tutel.rules.paths chooses 
 from .clamped_swiglu import ClampedSwiGLUExperts
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
+from .quantized import routed_quantized_experts
 from .routed import routed_experts
 from .shared import SharedExperts
 
-__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts"]
+__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts",
+           "routed_quantized_experts"]

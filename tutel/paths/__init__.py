@@ -15,6 +15,6 @@ the call's ``Work`` (tutel.paths.work):
 tutel.rules.paths' choice, on the facts built in tutel.paths.facts.
 """
 from .table import STAGES, run
-from .work import GatedWeights, ModuleExperts, WeightExperts, Work
+from .work import GatedWeights, ModuleExperts, QuantizedExperts, WeightExperts, Work
 
-__all__ = ["GatedWeights", "ModuleExperts", "STAGES", "WeightExperts", "Work", "run"]
+__all__ = ["GatedWeights", "ModuleExperts", "QuantizedExperts", "STAGES", "WeightExperts", "Work", "run"]

@@ -1,6 +1,6 @@
 """The facts of a call (tutel.rules.paths.FACTS), built here and nowhere else: for moe_layer's calls
-(``layer_facts``) and for routed experts' (``experts_facts``), which transformers' "tutel" experts
-make too."""
+(``layer_facts``), for routed experts' (``experts_facts``), which transformers' "tutel" experts
+make too, and for routed quantized experts' (``quantized_experts_facts``)."""
 from typing import Dict, Optional
 
 import torch
@@ -101,4 +101,25 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
         # (decode_experts_supported is False off CUDA: not asked there)
         "decode_kernel": device == "cuda" and decode_experts_supported(x.shape[0], expert_ids.shape[1], x.dtype,
                                                                        x.device, experts=experts.num_experts),
+    }
+
+
+def quantized_experts_facts(x: torch.Tensor, expert_ids: torch.Tensor,
+                            weights: Optional[torch.Tensor]) -> Dict[str, object]:
+    """The facts of a routed quantized experts call (tutel.paths.work.QuantizedExperts): their
+    stacks are no matrices in the tokens' dtype, so neither the one-call operator nor the decode
+    kernels take them (``gated_experts`` and ``decode_kernel`` do not hold), and they record no
+    gradient of their own."""
+    device = _DEVICE_KINDS.get(x.device.type, "other")
+    cublas_dtype = x.dtype in _CUBLAS_DTYPES
+    traced = _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
+    return {
+        "device": device,
+        "gradient": torch.is_grad_enabled() and (x.requires_grad or (weights is not None and weights.requires_grad)),
+        "traced": traced,
+        "capturing": device == "cuda" and cublas_dtype and not traced and stream_capturing(),
+        "cublas_dtype": cublas_dtype,
+        "gated_experts": False,
+        "rows_fit_one_call": fits_one_call(expert_ids.numel()),
+        "decode_kernel": False,
     }

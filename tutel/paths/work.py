@@ -1,12 +1,14 @@
 """One call's arguments and what its stages hand each other (the ``Work`` a path runs on), and the
-experts a call computes with (``WeightExperts``: tensors given to routed_experts; ``ModuleExperts``:
-moe_layer's experts module with the call's context)."""
+experts a call computes with (``WeightExperts``: tensors given to routed_experts; ``QuantizedExperts``:
+quantized stacks given to routed_quantized_experts; ``ModuleExperts``: moe_layer's experts module with
+the call's context)."""
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, apply_gated_unit
 from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm, grouped_rows_mm_eager
+from ..ops.quantized_experts import WEIGHT_ONLY, quantized_expert_products
 from ..ops.tracing import eager_without_grad
 
 
@@ -81,6 +83,36 @@ class WeightExperts:
             hidden = hidden.to(self.down_weight.dtype)
         out = product(hidden, self.down_weight, plan.offsets, self.transposed, self.down_bias, zero_tail=False)
         return out if self.post_fn is None else self.post_fn(out)
+
+
+class QuantizedExperts:
+    """routed_quantized_experts' experts: tutel.quant stacks and the rule between the two products.
+    They offer ``grouped_products`` as WeightExperts do, so they run on the experts entry's stages
+    (the chooser gives them no fused operator: ``gated_experts`` and ``decode_kernel`` do not hold);
+    called as ``experts(rows, plan)`` they map [n, H] rows grouped as `plan` says to their [n, O]
+    outputs (tutel.ops.quantized_experts, one expert's matrices dequantized at a time)."""
+    __slots__ = ("up", "down", "gate_weight", "unit", "gate_fn", "activation", "activations", "num_experts")
+
+    def __init__(self, up, down, gate_weight=None, unit: Optional[GatedUnit] = None,
+                 gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 activations: str = WEIGHT_ONLY):
+        self.up, self.down, self.gate_weight = up, down, gate_weight  # tutel.quant stacks (gate_weight or None)
+        self.unit, self.gate_fn, self.activation, self.activations = unit, gate_fn, activation, activations
+        self.num_experts = up.experts
+
+    def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
+        """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
+        projection in bytes as the products compute it (float32, float64 for float64 rows)."""
+        width = self.up.out_features * (1 if self.gate_weight is None else 2)
+        return self, width * (8 if dtype == torch.float64 else 4)
+
+    def __call__(self, rows: torch.Tensor, plan, product: Optional[Callable] = None) -> torch.Tensor:
+        """The rows past the plan's last group end give zeros; `product` is not taken (the products
+        dequantize each expert's matrices themselves)."""
+        return quantized_expert_products(rows, plan.offsets, self.up, self.down, gate_weight=self.gate_weight,
+                                         unit=self.unit, gate_fn=self.gate_fn, activation=self.activation,
+                                         activations=self.activations)
 
 
 class ModuleExperts:

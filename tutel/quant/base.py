@@ -165,6 +165,30 @@ class QuantizedWeights(abc.ABC):
             raise ValueError(f"index={index} is out of range; expected an expert id in [0, {self.experts})")
         return self.select_experts(slice(index, index + 1))
 
+    def with_tensors(self: Stack, tensors: Dict[str, torch.Tensor]) -> Stack:
+        """This stack's format and metadata over `tensors`: the names of its own tensors, each of its
+        own tensor's shape and dtype, all on one device (any).  For the same checkpoint tensors read
+        again (a model's parameters at each call, with this stack kept on the meta device as their
+        checked template): their values were checked when this stack was built and are not read
+        here.  A ValueError names the first tensor that differs."""
+        if not isinstance(tensors, dict) or tensors.keys() != self._tensors.keys():
+            given = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+            raise ValueError(f"tensors: expected a dict of {sorted(self._tensors)}, got {given}")
+        device = None
+        for name, tensor in tensors.items():
+            own = self._tensors[name]
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != own.shape or tensor.dtype != own.dtype:
+                what = f"shape {shape_text(tensor.shape)}, dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) \
+                    else type(tensor).__name__
+                raise ValueError(f"tensors[{name!r}]: {what}; expected shape {shape_text(own.shape)}, dtype "
+                                 f"{own.dtype} (this {type(self).__name__}'s own)")
+            if device is None:
+                device = tensor.device
+            elif tensor.device != device:
+                raise ValueError(f"tensors[{name!r}]: on {tensor.device}, the others on {device}; expected all "
+                                 f"tensors of one expert stack on one device")
+        return self._rebuild(dict(tensors))
+
     def to(self: Stack, device: Union[torch.device, str], non_blocking: bool = False) -> Stack:
         """The stack with every tensor on `device` (codes and scales keep their dtypes)."""
         device = torch.device(device)

@@ -33,6 +33,7 @@ TESTS=(tests/python/integrations/test_transformers_registration.py
        tests/python/integrations/test_transformers_module_experts.py
        tests/python/integrations/test_transformers_compile.py
        tests/python/integrations/test_transformers_docs.py
+       tests/python/integrations/test_transformers_fp8_experts.py
        tests/python/integrations/test_transformers_versions.py
        tests/python/integrations/test_replace_moe_blocks.py)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore

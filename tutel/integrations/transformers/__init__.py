@@ -19,6 +19,10 @@ run; otherwise the same error comes at the module's first call.  A model with no
 can run (a dense model; Llama 4, whose experts transformers does not dispatch) raises
 ``NoExpertsModule`` there.
 
+transformers' FP8 experts (``FP8Experts``, fine-grained FP8 checkpoints such as DeepSeek-V3's),
+which transformers dispatches through a registry of their own, run through "tutel" on the CPU
+(``fp8_experts``; CUDA: tutel issue 45).
+
 Supported: transformers 5.7.0 (the first release whose ``experts_implementation`` accepts a
 registered implementation) and later 5.x releases, tested against 5.7.0 and the newest; an older
 release raises ``UnsupportedTransformersVersion`` (an ImportError) at this import.
@@ -28,12 +32,15 @@ from .versions import UnsupportedTransformersVersion, check_supported
 check_supported()
 
 from .forward import tutel_experts_forward  # noqa: E402  (after the version check)
+from .fp8_experts import Fp8ExpertsLayout, read_fp8_layout, tutel_fp8_experts_forward  # noqa: E402
 from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout  # noqa: E402
-from .registration import NAME, NoExpertsModule, check_model, enable, experts_modules, register  # noqa: E402
+from .registration import (NAME, NoExpertsModule, check_model, enable, experts_modules,  # noqa: E402
+                           experts_registries, register)
 from .replace import replace_moe_blocks  # noqa: E402
 
 register()
 
-__all__ = ["NAME", "ExpertsLayout", "NoExpertsModule", "UnsupportedExpertsLayout", "UnsupportedTransformersVersion",
-           "check_model", "enable", "experts_modules", "read_layout", "register", "replace_moe_blocks",
-           "tutel_experts_forward"]
+__all__ = ["NAME", "ExpertsLayout", "Fp8ExpertsLayout", "NoExpertsModule", "UnsupportedExpertsLayout",
+           "UnsupportedTransformersVersion", "check_model", "enable", "experts_modules", "experts_registries",
+           "read_fp8_layout", "read_layout", "register", "replace_moe_blocks", "tutel_experts_forward",
+           "tutel_fp8_experts_forward"]

@@ -11,7 +11,7 @@ layout that depends on something those objects do not show (a tensor outside the
 class attribute) is read on every call.
 """
 import weakref
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
@@ -78,21 +78,67 @@ class _Entry:
 _ENTRY = "_tutel_experts"
 
 
+def seen_by_key(module: torch.nn.Module, tensors, names) -> bool:
+    """Whether a reading that depends on `tensors` and the attributes `names` of `module` can be
+    kept: every tensor a parameter of the module, every name on the instance (or, for a function,
+    among its submodules) or absent, so that the key of kept_layout / kept_reading sees a change."""
+    attributes = module.__dict__
+    parameters, submodules = attributes.get("_parameters", {}).values(), attributes.get("_modules", {})
+    if not all(any(t is p for p in parameters) for t in tensors if t is not None):
+        return False
+    return not any(hasattr(module, name) and name not in attributes and name not in submodules for name in names)
+
+
 def _cacheable(module: torch.nn.Module, layout: ExpertsLayout) -> bool:
     """Whether every object the layout depends on is one kept_layout sees: its tensors parameters of the
     module, its scalars and activation on the instance."""
+    return seen_by_key(module, (layout.up_weight, layout.down_weight, layout.up_bias, layout.down_bias),
+                       _SCALARS_AND_FUNCTIONS)
+
+
+def _held(module: torch.nn.Module) -> tuple:
+    """Every object a reading of `module` can depend on: the class and its gate rule, the module's
+    instance attributes (the flags among them), parameters and submodules."""
     attributes = module.__dict__
-    parameters, submodules = attributes.get("_parameters", {}).values(), attributes.get("_modules", {})
-    tensors = [t for t in (layout.up_weight, layout.down_weight, layout.up_bias, layout.down_bias) if t is not None]
-    if not all(any(t is p for p in parameters) for t in tensors):
-        return False
-    return not any(hasattr(module, name) and name not in attributes and name not in submodules
-                   for name in _SCALARS_AND_FUNCTIONS)
+    cls = type(module)
+    return (cls, getattr(cls, "_apply_gate", None), *attributes.values(),
+            *attributes.get("_parameters", {}).values(), *attributes.get("_modules", {}).values())
+
+
+Reading = TypeVar("Reading")
+
+
+def kept_reading(module: torch.nn.Module, entry_name: str,
+                 read: Callable[[torch.nn.Module, Optional[Callable]], Tuple[Reading, bool]]) -> Reading:
+    """What ``read(module, on_death)`` returns, kept in the module's attribute `entry_name` while the
+    module holds the objects it was read from (kept_layout's rule, for other readers: transformers'
+    FP8 experts).  `read` returns (reading, whether it may be kept: seen_by_key) and holds the
+    module's tensors by weak references calling `on_death` (None: it may hold them strongly, as
+    under torch.compile, where nothing is kept)."""
+    if torch.compiler.is_compiling():
+        return read(module, None)[0]
+    attributes = module.__dict__
+    entry = attributes.get(entry_name)
+    if entry is None:  # (set before the attributes are read, so that it is one of them from the start)
+        entry = attributes[entry_name] = _Entry()
+    held = _held(module)
+    key = tuple(map(id, held))
+    if entry.key == key:
+        return entry.read
+    entry.key = None
+    reading, cacheable = read(module, entry.forget)
+    if cacheable:
+        entry.read = reading
+        entry.guards = tuple(weakref.ref(o, entry.forget) if isinstance(o, torch.Tensor) else o for o in held)
+        entry.key = key
+    return reading
 
 
 def kept_layout(module: torch.nn.Module) -> KeptLayout:
     """The layout of `module` (a transformers experts module), kept while the module holds the
-    objects it was read from.  Raises UnsupportedExpertsLayout (read_layout's)."""
+    objects it was read from.  Raises UnsupportedExpertsLayout (read_layout's).  (kept_reading's
+    rule written out: this runs on every call of every float experts module, where each Python
+    call counts.)"""
     if torch.compiler.is_compiling():  # traced once: the layout read in the trace, nothing kept
         return KeptLayout(read_layout(module), weak=False)
     attributes = module.__dict__

@@ -1,0 +1,125 @@
+"""Routed experts whose matrices are quantized stacks (tutel.quant), for CPU inference.
+
+``routed_quantized_experts(x, expert_ids, weights, up, down, ...)`` computes what
+``routed_experts`` computes,
+
+    y[t] = sum_j  weights[t, j] * down_e( gate( up_e(x[t]) ) ),   e = expert_ids[t, j]
+
+with each expert's matrices dequantized one expert at a time (never a whole stack in floating
+point), the products accumulated in float32 (float64 for float64 tokens) and the activations kept
+in the tokens' dtype between them (tutel.ops.quantized_experts).  ``activations="dynamic"``
+quantizes each product's input as W8A8 block-FP8 checkpoints prescribe (DeepSeek-V3's rule, per
+token and per block of columns); ``"weight_only"`` (the default) takes the activations as they are.
+Choices whose id lies outside [0, E) contribute nothing.
+
+The call runs on the experts entry's paths (tutel.rules.paths): the choices sorted by expert, the
+kept rows in bounded pieces, each piece's outputs weighted and added up.  The CPU only: tokens or
+stacks on CUDA raise NotImplementedError (tutel issue 45), as does a call that autograd would
+record (quantized experts run inference only).
+"""
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..ops.checks import require_dim, require_floating, require_tensor
+from ..ops.gated_units import GatedUnit, check_unit
+from ..ops.quantized_experts import WEIGHT_ONLY, check_quantized_experts, require_cpu
+from ..paths import QuantizedExperts, Work, run
+from ..paths.facts import quantized_experts_facts
+from ..rules.paths import EXPERTS, choose_path
+from .routed import GATES, gate_unit_of
+
+WHERE = "tutel.experts.routed_quantized_experts"
+
+
+def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations) -> None:
+    require_floating(x, "x", WHERE)
+    require_dim(x, 2, "x", WHERE)
+    require_tensor(expert_ids, "expert_ids", WHERE)
+    require_dim(expert_ids, 2, "expert_ids", WHERE)
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise TypeError(f"{WHERE}: `expert_ids` must hold integers, got {expert_ids.dtype}")
+    if expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{WHERE}: `expert_ids` must be [T, k] with T = {x.shape[0]} tokens of `x`, "
+                         f"got {tuple(expert_ids.shape)}")
+    if weights is not None:
+        require_floating(weights, "weights", WHERE)
+        if weights.shape != expert_ids.shape:
+            raise ValueError(f"{WHERE}: `weights` must have the shape of `expert_ids` {tuple(expert_ids.shape)}, "
+                             f"got {tuple(weights.shape)}")
+    given = [name for name, value in (("gate_fn", gate_fn), ("activation", activation)) if value is not None]
+    if len(given) > 1 or (gate is None and not given) or (gate is not None and activation is not None):
+        raise ValueError(f"{WHERE}: give `gate` ({'/'.join(GATES)} or a GatedUnit, optionally with the equivalent "
+                         f"`gate_fn`), or exactly one of `gate_fn` and `activation`; got "
+                         f"{(['gate'] if gate is not None else []) + given or 'none'}")
+    unit = gate_unit_of(gate)
+    if unit is not None:
+        check_unit(unit, WHERE)
+        if unit.interleaved and gate_weight is not None:
+            raise ValueError(f"{WHERE}: with `gate_weight` the gate rule sees [gate | up] concatenated; an "
+                             f"interleaved unit does not apply")
+    for name, value in (("gate_fn", gate_fn), ("activation", activation)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{WHERE}: `{name}` must be callable, got {type(value).__name__}")
+    width = check_quantized_experts(up, down, gate_weight, gate is not None or gate_fn is not None, activations,
+                                    WHERE)
+    if x.shape[1] != width:
+        raise ValueError(f"{WHERE}: `x` {tuple(x.shape)} must have the {width} features the up projection "
+                         f"{up.shape} takes")
+    for name, tensor in (("x", x), ("expert_ids", expert_ids), ("weights", weights)):
+        if tensor is not None:
+            require_cpu(tensor.device, f"{WHERE}: `{name}`")
+
+
+def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor], up,
+                             down, *, gate_weight=None, gate: Union[None, str, GatedUnit] = None,
+                             gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                             activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                             activations: str = WEIGHT_ONLY) -> torch.Tensor:
+    """The routing-weighted sum of each token's quantized experts (see the module docstring).
+
+    Args:
+        x: [T, H] CPU tokens, float32, float64, bfloat16 or float16.
+        expert_ids: [T, k] integer expert ids; ids outside [0, E) contribute nothing.
+        weights: [T, k] routing weight of each choice; None means 1.
+        up: a tutel.quant stack (E, U, H): U = 2I gate and up rows for gated experts (the rows
+            ``gate`` / ``gate_fn`` read, e.g. transformers' [gate; up]), U = I otherwise; with
+            `gate_weight`, the ups alone (E, I, H).
+        down: a tutel.quant stack (E, O, I).
+        gate_weight: optional stack (E, I, H) of the gates' own matrices (a checkpoint whose gate and
+            up projections are quantized apart); the gate rule then sees [gate | up].
+        gate: ``"swiglu"`` or a tutel.ops.gated_units.GatedUnit (fused), as routed_experts takes it.
+        gate_fn: callable [n, 2I] -> [n, I] in x's dtype (any other gate rule).
+        activation: elementwise callable for experts without a gate.
+        activations: ``"weight_only"`` or ``"dynamic"`` (W8A8; block-FP8 stacks only).
+
+    Returns:
+        [T, O] in x's dtype.
+
+    Raises:
+        NotImplementedError: tokens or stacks on CUDA (tutel issue 45), or a call autograd would
+            record.
+        TypeError, ValueError: arguments that do not fit together, naming the argument.
+    """
+    _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations)
+    unit = gate_unit_of(gate)
+    experts = QuantizedExperts(up, down, gate_weight, unit, None if unit is not None else gate_fn, activation,
+                               activations)
+    return run_quantized(x, expert_ids, weights, experts)
+
+
+def run_quantized(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                  experts: QuantizedExperts) -> torch.Tensor:
+    """routed_quantized_experts on arguments its checks passed (transformers' "tutel" FP8 experts
+    check a module's stacks once, when they first see them, and each call's own tensors).  Returns
+    [T, O] in x's dtype."""
+    if x.device.type != "cpu":
+        require_cpu(x.device, f"{WHERE}: the tokens")
+    facts = quantized_experts_facts(x, expert_ids, weights)
+    if facts["gradient"]:
+        raise NotImplementedError(f"{WHERE}: quantized experts run inference only, but autograd records this call "
+                                  f"(the tokens or the routing weights require grad); call the model under "
+                                  f"torch.no_grad() or torch.inference_mode() (generate() does), or train on "
+                                  f"dequantized experts")
+    path = choose_path(EXPERTS, facts).path
+    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(x.dtype)

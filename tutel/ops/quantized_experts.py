@@ -1,0 +1,207 @@
+"""The products of experts whose matrices are quantized stacks (tutel.quant), on the CPU.
+
+For the rows of expert e (rows grouped by expert, as ``group_by_expert``'s ends give them):
+
+    h = gate(x @ Wup[e]^T)        (or activation(x @ Wup[e]^T) for experts without a gate)
+    y = h @ Wdown[e]^T
+
+where W[e] is expert e's matrix dequantized as its format defines it, one expert at a time (never
+the whole stack in floating point), and each product accumulates in float32 (float64 for float64
+rows).  Each product's result is rounded to the rows' dtype, so the activations between the
+products are in the model's dtype, as transformers' experts keep them.
+
+What the products' inputs are (``activations``):
+
+* ``"weight_only"``: the activations as they are, times the dequantized weights.
+* ``"dynamic"`` (W8A8, block-FP8 stacks only): each product's input row is quantized first, per
+  group of the weight block's columns b1 (128 for DeepSeek-V3's 128 x 128 blocks; the whole row
+  where the block is the whole matrix), to E4M3 with the float32 scale amax / 448 (codes
+  a / scale rounded to nearest, ties to even; an all-zero group gives zeros): DeepSeek-V3's
+  ``act_quant`` and the rule transformers' finegrained-fp8 kernels apply inline.  The product is
+  then sum over the groups of a_scale * w_scale * (a_codes . w_codes), computed as the product of
+  the dequantized operands.
+
+Only the CPU computes: a stack or rows on CUDA raise NotImplementedError (tutel issue 45 adds the
+kernels), so that no call silently dequantizes whole stacks on a GPU.  Nothing here records
+gradients (quantized experts run inference only; the callers refuse calls that would).
+"""
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..quant import Fp8BlockWeights, QuantizedWeights
+from .gated_units import GatedUnit, apply_gated_unit
+
+WEIGHT_ONLY = "weight_only"
+DYNAMIC = "dynamic"
+ACTIVATIONS = (WEIGHT_ONLY, DYNAMIC)
+
+CUDA_NOT_IMPLEMENTED = "quantized experts on CUDA are not implemented yet (tutel issue 45)"
+
+# E4M3's largest magnitude, and the smallest activation scale divided by (transformers' kernels
+# floor it so; an all-zero group then gives zero codes).
+_E4M3_MAX = 448.0
+_SMALLEST_ACTIVATION_SCALE = 1e-12
+
+
+def require_cpu(device: torch.device, what: str) -> None:
+    """NotImplementedError unless `device` is the CPU, the one device quantized experts run on."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        raise NotImplementedError(f"{what} is on {device}: {CUDA_NOT_IMPLEMENTED}; run the experts on the CPU, or "
+                                  f"dequantize them")
+    raise NotImplementedError(f"{what} is on {device}: quantized experts run on the CPU only")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the products of rows of `dtype` accumulate in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dequantize_expert(stack: QuantizedWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `expert`'s (N, K) matrix of `stack`, dequantized in `dtype` (float32 or float64).
+
+    Block FP8 multiplies the E4M3 codes (exact in float32) by their blocks' scales in place; other
+    formats take their float64 reference dequantizer on the one expert."""
+    if not isinstance(stack, Fp8BlockWeights):
+        return stack.expert(expert).dequantize_reference(dtype)[0]
+    rows, columns = stack.out_features, stack.in_features
+    block_rows, block_columns = stack.block
+    matrix = stack.weight[expert].to(dtype)
+    # one scale per block row repeated over its rows: (N, ceil(K / b1)), small beside the matrix
+    scales = stack.scale_inv[expert].to(dtype).repeat_interleave(block_rows, dim=0)[:rows]
+    full = columns // block_columns
+    if full:
+        matrix[:, :full * block_columns].unflatten(1, (full, block_columns)).mul_(scales[:, :full, None])
+    if full * block_columns < columns:  # the partial last block column
+        matrix[:, full * block_columns:].mul_(scales[:, full:])
+    return matrix
+
+
+def dynamic_activations(values: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, K] activations quantized per row and per `group` columns to E4M3 with the float32 scale
+    amax / 448, returned dequantized (codes * scale) in `dtype` (see the module docstring)."""
+    rows, columns = values.shape
+    groups = -(-columns // group)
+    padded = values.new_zeros((rows, groups * group), dtype=torch.float32)
+    padded[:, :columns] = values
+    grouped = padded.view(rows, groups, group)
+    scale = grouped.abs().amax(dim=2, keepdim=True) / _E4M3_MAX
+    codes = (grouped / scale.clamp(min=_SMALLEST_ACTIVATION_SCALE)).clamp_(-_E4M3_MAX, _E4M3_MAX)
+    codes = codes.to(torch.float8_e4m3fn).to(dtype)
+    return codes.mul_(scale.to(dtype)).view(rows, groups * group)[:, :columns]
+
+
+def _product(values: torch.Tensor, stack: QuantizedWeights, expert: int, dynamic: bool, dtype: torch.dtype,
+             weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """values [n, K] @ W[expert]^T in `dtype` (W dequantized unless given as `weight`)."""
+    if weight is None:
+        weight = dequantize_expert(stack, expert, dtype)
+    if dynamic:
+        values = dynamic_activations(values, stack.block[1], dtype)
+    elif values.dtype != dtype:
+        values = values.to(dtype)
+    return values @ weight.t()
+
+
+def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], up: QuantizedWeights,
+                              down: QuantizedWeights, *, gate_weight: Optional[QuantizedWeights] = None,
+                              unit: Optional[GatedUnit] = None,
+                              gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                              activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                              activations: str = WEIGHT_ONLY) -> torch.Tensor:
+    """The experts' outputs for [n, H] rows grouped by expert (see the module docstring).
+
+    Args:
+        rows: [n, H] CPU rows, float32 / float64 / bfloat16 / float16; expert e's are
+            rows[ends[e-1]:ends[e]] (rows past the last end give zeros).
+        ends: [E] non-decreasing end of each expert's rows (ints, or an integer CPU tensor).
+        up: the up projections: (E, U, H), with U = 2I gate and up rows for gated experts (the rule
+            of `unit` / `gate_fn` reads them), U = I otherwise; or the ups alone (E, I, H) with
+            `gate_weight`.
+        down: (E, O, I) down projections.
+        gate_weight: the gates' own (E, I, H) matrices, or None; with it the gate rule sees each
+            row's gate and up values concatenated, [gate | up].
+        unit: the fused gated unit, or None.
+        gate_fn: a callable [n, 2I] -> [n, I] (the model's gate rule), used where `unit` is None.
+        activation: an elementwise callable for experts without a gate (no `unit`, no `gate_fn`).
+        activations: "weight_only" or "dynamic" (W8A8; block-FP8 stacks only).
+
+    The arguments are checked by the callers once (``check_quantized_experts``), not here: this runs
+    for every piece of rows.
+
+    Returns:
+        [n, O] in rows' dtype.
+    """
+    require_cpu(rows.device, "rows")
+    if isinstance(ends, torch.Tensor):
+        ends = ends.tolist()
+    dtype, wide = rows.dtype, compute_dtype(rows.dtype)
+    dynamic = activations == DYNAMIC
+    out = rows.new_zeros((rows.shape[0], down.out_features))
+    with torch.no_grad():  # the stacks' float8 tensors may require grad; nothing here is differentiated
+        start = 0
+        for expert, end in enumerate(ends):
+            if end <= start:
+                continue
+            up_matrix = dequantize_expert(up, expert, wide)
+            if gate_weight is not None:  # [gate; up] rows, one product
+                up_matrix = torch.cat((dequantize_expert(gate_weight, expert, wide), up_matrix))
+            hidden = _product(rows[start:end], up, expert, dynamic, wide, up_matrix).to(dtype)
+            if unit is not None:
+                hidden = apply_gated_unit(hidden, unit)
+            elif gate_fn is not None:
+                hidden = gate_fn(hidden)
+            else:
+                hidden = activation(hidden)
+            out[start:end] = _product(hidden, down, expert, dynamic, wide)
+            start = end
+    return out
+
+
+def check_quantized_experts(up: object, down: object, gate_weight: object, gated: bool, activations: object,
+                            where: str) -> int:
+    """Checks the stacks of quantized experts against each other once (the formats checked their
+    own tensors when they were built); returns the experts' input width H.
+
+    Raises:
+        TypeError: a stack is no tutel.quant stack.
+        ValueError: expert counts, widths, devices or `activations` do not fit together.
+        NotImplementedError: a stack lies on CUDA (or another device than the CPU).
+    """
+    stacks = [("up", up), ("down", down)] + ([("gate_weight", gate_weight)] if gate_weight is not None else [])
+    for name, stack in stacks:
+        if not isinstance(stack, QuantizedWeights):
+            raise TypeError(f"{where}: `{name}` must be a tutel.quant stack (Fp8BlockWeights, Mxfp4Weights, "
+                            f"Nvfp4Weights), got {type(stack).__name__}")
+        require_cpu(stack.device, f"{where}: `{name}`")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{where}: `activations` must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == DYNAMIC:
+        for name, stack in stacks:
+            if not isinstance(stack, Fp8BlockWeights):
+                raise ValueError(f"{where}: activations='dynamic' (W8A8) quantizes activations per weight block and "
+                                 f"needs block-FP8 stacks; `{name}` is {type(stack).__name__}")
+    experts, width = up.experts, up.in_features
+    for name, stack in stacks:
+        if stack.experts != experts:
+            raise ValueError(f"{where}: `up` holds {experts} experts but `{name}` {stack.experts}")
+    if gate_weight is not None:
+        if not gated:
+            raise ValueError(f"{where}: `gate_weight` is given but no gate rule (`gate` or `gate_fn`)")
+        if gate_weight.shape != up.shape:
+            raise ValueError(f"{where}: `gate_weight` {gate_weight.shape} must have the shape of `up` {up.shape}")
+        inner = up.out_features
+    elif gated:
+        if up.out_features % 2:
+            raise ValueError(f"{where}: gated experts need `up` of 2 x intermediate rows, got {up.shape}")
+        inner = up.out_features // 2
+    else:
+        inner = up.out_features
+    if down.in_features != inner:
+        raise ValueError(f"{where}: `down` {down.shape} must take the {inner} hidden values the up projection "
+                         f"gives (E, O, {inner})")
+    if gate_weight is not None and gate_weight.device != up.device or down.device != up.device:
+        raise ValueError(f"{where}: the stacks lie on different devices ({up.device}, {down.device})")
+    return width
