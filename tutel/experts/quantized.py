@@ -21,37 +21,19 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..ops.checks import require_dim, require_floating, require_tensor
 from ..ops.gated_units import GatedUnit, check_unit
 from ..ops.quantized_experts import WEIGHT_ONLY, check_quantized_experts, require_cpu
 from ..paths import QuantizedExperts, Work, run
 from ..paths.facts import quantized_experts_facts
 from ..rules.paths import EXPERTS, choose_path
-from .routed import GATES, gate_unit_of
+from .routed import GATES, check_gate_rule, check_routing, gate_unit_of
 
 WHERE = "tutel.experts.routed_quantized_experts"
 
 
 def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations) -> None:
-    require_floating(x, "x", WHERE)
-    require_dim(x, 2, "x", WHERE)
-    require_tensor(expert_ids, "expert_ids", WHERE)
-    require_dim(expert_ids, 2, "expert_ids", WHERE)
-    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
-        raise TypeError(f"{WHERE}: `expert_ids` must hold integers, got {expert_ids.dtype}")
-    if expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{WHERE}: `expert_ids` must be [T, k] with T = {x.shape[0]} tokens of `x`, "
-                         f"got {tuple(expert_ids.shape)}")
-    if weights is not None:
-        require_floating(weights, "weights", WHERE)
-        if weights.shape != expert_ids.shape:
-            raise ValueError(f"{WHERE}: `weights` must have the shape of `expert_ids` {tuple(expert_ids.shape)}, "
-                             f"got {tuple(weights.shape)}")
-    given = [name for name, value in (("gate_fn", gate_fn), ("activation", activation)) if value is not None]
-    if len(given) > 1 or (gate is None and not given) or (gate is not None and activation is not None):
-        raise ValueError(f"{WHERE}: give `gate` ({'/'.join(GATES)} or a GatedUnit, optionally with the equivalent "
-                         f"`gate_fn`), or exactly one of `gate_fn` and `activation`; got "
-                         f"{(['gate'] if gate is not None else []) + given or 'none'}")
+    check_routing(x, expert_ids, weights, WHERE)
+    check_gate_rule(gate, gate_fn, activation, WHERE, f"{'/'.join(GATES)} or a GatedUnit")
     unit = gate_unit_of(gate)
     if unit is not None:
         check_unit(unit, WHERE)

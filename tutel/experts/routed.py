@@ -71,9 +71,9 @@ def gate_unit_of(gate: Union[None, str, GatedUnit]) -> Optional[GatedUnit]:
                      f"tutel.ops.gated_units.GatedUnit, got {gate!r}")
 
 
-def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn,
-           activation) -> None:
-    where = "tutel.experts.routed_experts"
+def check_routing(x, expert_ids, weights, where: str) -> None:
+    """TypeError / ValueError (from `where`, naming the argument) unless `x` is [T, H] floating point,
+    `expert_ids` [T, k] integers and `weights` None or floating point of expert_ids' shape."""
     require_floating(x, "x", where)
     require_dim(x, 2, "x", where)
     require_tensor(expert_ids, "expert_ids", where)
@@ -88,6 +88,22 @@ def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, t
         if weights.shape != expert_ids.shape:
             raise ValueError(f"{where}: `weights` must have the shape of `expert_ids` {tuple(expert_ids.shape)}, "
                              f"got {tuple(weights.shape)}")
+
+
+def check_gate_rule(gate, gate_fn, activation, where: str, gates: str) -> None:
+    """ValueError (from `where`) unless the call gives `gate` (`gates` says which, optionally with the
+    equivalent `gate_fn`), or exactly one of `gate_fn` and `activation`."""
+    given = [name for name, value in (("gate_fn", gate_fn), ("activation", activation)) if value is not None]
+    if len(given) > 1 or (gate is None and not given) or (gate is not None and activation is not None):
+        raise ValueError(f"{where}: give `gate` ({gates}, optionally with the equivalent `gate_fn`), "
+                         f"or exactly one of `gate_fn` and `activation`; got "
+                         f"{(['gate'] if gate is not None else []) + given or 'none'}")
+
+
+def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, transposed, gate, gate_fn,
+           activation) -> None:
+    where = "tutel.experts.routed_experts"
+    check_routing(x, expert_ids, weights, where)
     for name, weight in (("up_weight", up_weight), ("down_weight", down_weight)):
         require_floating(weight, name, where)
         require_dim(weight, 3, name, where)
@@ -101,11 +117,7 @@ def _check(x, expert_ids, weights, up_weight, down_weight, up_bias, down_bias, t
     if up_in != x.shape[1]:
         raise ValueError(f"{where}: `up_weight` {tuple(up_weight.shape)} must be {layout} with H = {x.shape[1]} "
                          f"(transposed={transposed})")
-    given = [name for name, value in (("gate_fn", gate_fn), ("activation", activation)) if value is not None]
-    if len(given) > 1 or (gate is None and not given) or (gate is not None and activation is not None):
-        raise ValueError(f"{where}: give `gate` ({'/'.join(GATES)}, optionally with the equivalent `gate_fn`), "
-                         f"or exactly one of `gate_fn` and `activation`; got "
-                         f"{(['gate'] if gate is not None else []) + given or 'none'}")
+    check_gate_rule(gate, gate_fn, activation, where, "/".join(GATES))
     gate_unit_of(gate)
     if gate is not None and (up_out % 2 or up_out // 2 != down_in):
         raise ValueError(f"{where}: with gate={gate!r} the up projection's {up_out} outputs must be twice the "

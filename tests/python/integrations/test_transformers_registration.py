@@ -32,8 +32,9 @@ def test_from_pretrained_and_set_experts_implementation_select_tutel(tmp_path):
     switched.set_experts_implementation("tutel")
     assert switched.config._experts_implementation == "tutel"
     calls = []
-    run_routed = tutel_hf.forward.run_routed
-    tutel_hf.forward.run_routed = lambda *a, **k: calls.append("tutel") or run_routed(*a, **k)
+    import tutel.experts.routed as routed  # (the experts forward calls run_routed, which runs the path)
+    run = routed.run
+    routed.run = lambda *a, **k: calls.append("tutel") or run(*a, **k)
     try:
         ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -41,7 +42,7 @@ def test_from_pretrained_and_set_experts_implementation_select_tutel(tmp_path):
             for model in (loaded.eval(), switched):
                 torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
     finally:
-        tutel_hf.forward.run_routed = run_routed
+        routed.run = run
     assert len(calls) == 2 * 2  # two models, two MoE layers each
 
 

@@ -46,7 +46,7 @@ from ...ops.gated_units import SWIGLU, GatedUnit
 from ...ops.quantized_experts import ACTIVATIONS, DYNAMIC, check_quantized_experts, require_cpu
 from ...paths import QuantizedExperts
 from ...quant import Fp8BlockWeights
-from .forward import _reject_call
+from .forward import experts_forward
 from .layout import FLAGS, UnsupportedExpertsLayout, _callable, _flag, is_silu
 from .module_experts import kept_reading, seen_by_key
 
@@ -302,36 +302,20 @@ def kept_fp8_layout(module: torch.nn.Module) -> KeptFp8Layout:
     return kept_reading(module, _ENTRY, _read_kept)
 
 
-def tutel_fp8_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                              top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Runs one of transformers' FP8 experts modules (``self``) through tutel on the CPU.
+tutel_fp8_experts_forward = experts_forward(kept_fp8_layout, run_quantized, "tutel_fp8_experts_forward", """\
+Runs one of transformers' FP8 experts modules (``self``) through tutel on the CPU.
 
-    Args:
-        self: an ``FP8Experts`` module (declared with ``@use_experts_implementation``).
-        hidden_states: [T, H] tokens (bfloat16, float16, float32 or float64).
-        top_k_index: [T, k] chosen experts; ids outside [0, num_experts) contribute nothing.
-        top_k_weights: [T, k] routing weights.
+Args:
+    self: an ``FP8Experts`` module (declared with ``@use_experts_implementation``).
+    hidden_states: [T, H] tokens (bfloat16, float16, float32 or float64).
+    top_k_index: [T, k] chosen experts; ids outside [0, num_experts) contribute nothing.
+    top_k_weights: [T, k] routing weights.
 
-    Returns:
-        [T, H] in ``hidden_states``' dtype.
+Returns:
+    [T, H] in ``hidden_states``' dtype.
 
-    Raises:
-        UnsupportedExpertsLayout: the module's flags or tensors describe experts tutel cannot run.
-        NotImplementedError: activation_scheme="static", tensors on CUDA (tutel issue 45), or a
-            call autograd would record.
-    """
-    read = kept_fp8_layout(self)
-    width = read.model_dim
-    if not (isinstance(hidden_states, torch.Tensor) and isinstance(top_k_index, torch.Tensor) and
-            isinstance(top_k_weights, torch.Tensor) and hidden_states.dim() == 2 and top_k_index.dim() == 2 and
-            top_k_weights.shape == top_k_index.shape and top_k_index.shape[0] == hidden_states.shape[0] and
-            hidden_states.shape[1] == width and hidden_states.is_floating_point() and
-            top_k_weights.is_floating_point() and not top_k_index.is_floating_point() and
-            not top_k_index.is_complex() and top_k_index.dtype != torch.bool):
-        _reject_call(self, width, hidden_states, top_k_index, top_k_weights)
-    weights = top_k_weights
-    if read.expert_parallel:  # (the sentinels add nothing either way; zero weights as the float forward gives them)
-        weights = weights.masked_fill(top_k_index >= read.num_experts, 0.0)
-    if weights.dtype != hidden_states.dtype and weights.dtype.itemsize < hidden_states.dtype.itemsize:
-        weights = weights.to(hidden_states.dtype)
-    return run_quantized(hidden_states, top_k_index, weights, read.experts())
+Raises:
+    UnsupportedExpertsLayout: the module's flags or tensors describe experts tutel cannot run.
+    NotImplementedError: activation_scheme="static", tensors on CUDA (tutel issue 45), or a
+        call autograd would record.
+""")
