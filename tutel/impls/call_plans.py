@@ -4,12 +4,13 @@ path), kept for the next inference call like it.
 A decoding step calls every layer with the same shapes and switches, step after step, and those
 decisions depend only on them, on the layer's and its gate's settings and on a few global states.
 So an inference call (tutel.paths.settled) looks its plan up by a key made of all of these, read
-directly from the objects; anything else (training, a new shape, a changed
-setting, a replaced module, another backend) makes and checks a plan as every call did before.
+directly from the objects; anything else (training, a new shape, a changed setting, a replaced
+module, another backend) makes and checks a plan as every call did before.
 
-Read once per experts module (the key holds the module's class and identity, not what it offers): whether it
-offers gated weights, grouped products or a grouped forward.  Built-in experts fix these when
-they are built; a custom experts module that changes them between calls must be replaced instead.
+Read once per experts module (the key holds the module's class and identity, not what it
+offers): whether it offers gated weights, grouped products or a grouped forward.  Built-in
+experts fix these when they are built; a custom experts module that changes them between calls
+must be replaced instead.
 """
 from typing import Any, Dict, NamedTuple, Optional
 
