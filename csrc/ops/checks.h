@@ -45,6 +45,26 @@ inline at::Tensor checked_offsets(const at::Tensor& offsets, const at::Tensor& d
   return offsets.contiguous();
 }
 
+// A routed call's choices for tokens x [T, ...]: expert_ids int32 / int64 [T, k] and weights, when
+// given, floating point of expert_ids' shape, both on x's device.
+inline void check_routed_choices(const at::Tensor& x, const at::Tensor& expert_ids,
+                                 const c10::optional<at::Tensor>& weights, const char* op) {
+  check_dim(expert_ids, 2, op, "expert_ids");
+  const at::ScalarType dtype = expert_ids.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kInt || dtype == at::kLong, "tutel::", op,
+                   ": `expert_ids` must be int32 or int64, got ", dtype);
+  TORCH_CHECK_VALUE(expert_ids.size(0) == x.size(0), "tutel::", op, ": `expert_ids` must be [T, k] with T = ",
+                    x.size(0), " rows of `x`, got ", expert_ids.sizes());
+  check_same_device(x, expert_ids, op, "expert_ids");
+  if (weights.has_value()) {
+    check_floating(*weights, op, "weights");
+    TORCH_CHECK_VALUE(weights->sizes() == expert_ids.sizes(), "tutel::", op,
+                      ": `weights` must have the shape of `expert_ids` ", expert_ids.sizes(), ", got ",
+                      weights->sizes());
+    check_same_device(x, *weights, op, "weights");
+  }
+}
+
 // indices and locations: int32 [k, T] of the same shape.  (Operators make
 // their inputs contiguous themselves, so callers may pass views.)
 inline void check_slot_table(const at::Tensor& indices, const at::Tensor& locations,

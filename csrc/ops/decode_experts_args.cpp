@@ -23,18 +23,6 @@ at::Tensor expert_matrix(const at::Tensor& m, const at::Tensor& x, const char* n
 
 // expert_ids [T, k]: int32 or int64 only, the two the kernel reads without a conversion (which
 // would be another launch per call on CUDA).
-void check_expert_ids(const at::Tensor& expert_ids, const at::Tensor& x) {
-  check_dim(expert_ids, 2, kOp, "expert_ids");
-  const at::ScalarType dtype = expert_ids.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kInt || dtype == at::kLong, "tutel::", kOp,
-                   ": `expert_ids` must be int32 or int64, got ", dtype);
-  TORCH_CHECK_VALUE(expert_ids.size(0) == x.size(0), "tutel::", kOp, ": `expert_ids` must be [T, k] with T = ",
-                    x.size(0), " rows of `x`, got ", expert_ids.sizes());
-  TORCH_CHECK_VALUE(expert_ids.numel() <= kInt32Max, "tutel::", kOp,
-                    ": at most 2^31-1 choices (tokens * k) are supported, got ", expert_ids.size(0),
-                    " tokens and k=", expert_ids.size(1));
-  check_same_device(x, expert_ids, kOp, "expert_ids");
-}
 
 void check_unit(double alpha, double up_offset, c10::optional<double> limit) {
   TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(up_offset), "tutel::", kOp,
@@ -56,16 +44,13 @@ DecodeExpertsArgs decode_experts_args(const at::Tensor& x, const at::Tensor& exp
   check_floating(x, kOp, "x");
   // The kernels step along a row one element (or 16 bytes) at a time; any row stride will do.
   a.x = x.size(1) <= 1 || x.stride(1) == 1 ? x : x.contiguous();
-  check_expert_ids(expert_ids, x);
+  check_routed_choices(x, expert_ids, weights, kOp);
+  // (the kernels index the choices with 32-bit ints)
+  TORCH_CHECK_VALUE(expert_ids.numel() <= kInt32Max, "tutel::", kOp,
+                    ": at most 2^31-1 choices (tokens * k) are supported, got ", expert_ids.size(0),
+                    " tokens and k=", expert_ids.size(1));
   a.expert_ids = expert_ids;
-  if (weights.has_value()) {
-    check_floating(*weights, kOp, "weights");
-    TORCH_CHECK_VALUE(weights->sizes() == expert_ids.sizes(), "tutel::", kOp,
-                      ": `weights` must have the shape of `expert_ids` ", expert_ids.sizes(), ", got ",
-                      weights->sizes());
-    check_same_device(x, *weights, kOp, "weights");
-    a.weights = *weights;
-  }
+  if (weights.has_value()) a.weights = *weights;
   a.up_weight = expert_matrix(up_weight, x, "up_weight");
   a.down_weight = expert_matrix(down_weight, x, "down_weight");
   a.tokens = x.size(0);

@@ -133,21 +133,9 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "tutel::", kOp,
                    ": `x` must be float32, bfloat16 or float16, got ", dtype);
   a.x = x.size(1) <= 1 || x.stride(1) == 1 ? x : x.contiguous();
-  check_dim(expert_ids, 2, kOp, "expert_ids");
-  TORCH_CHECK_TYPE(expert_ids.scalar_type() == at::kInt || expert_ids.scalar_type() == at::kLong, "tutel::", kOp,
-                   ": `expert_ids` must be int32 or int64, got ", expert_ids.scalar_type());
-  TORCH_CHECK_VALUE(expert_ids.size(0) == x.size(0), "tutel::", kOp, ": `expert_ids` must be [T, k] with T = ",
-                    x.size(0), " rows of `x`, got ", expert_ids.sizes());
-  check_same_device(x, expert_ids, kOp, "expert_ids");
+  check_routed_choices(x, expert_ids, weights, kOp);
   a.expert_ids = expert_ids.to(at::kLong).contiguous();
-  if (weights.has_value()) {
-    check_floating(*weights, kOp, "weights");
-    TORCH_CHECK_VALUE(weights->sizes() == expert_ids.sizes(), "tutel::", kOp,
-                      ": `weights` must have the shape of `expert_ids` ", expert_ids.sizes(), ", got ",
-                      weights->sizes());
-    check_same_device(x, *weights, kOp, "weights");
-    a.weights = weights->to(at::kFloat).contiguous();
-  }
+  if (weights.has_value()) a.weights = weights->to(at::kFloat).contiguous();
   if (a.format == core::QuantFormat::kFp8Block) {
     TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", kOp,
                       ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);
