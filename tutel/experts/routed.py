@@ -48,6 +48,7 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
+from ..ops.backend import operators_for
 from ..ops.checks import require_dim, require_floating, require_tensor
 from ..ops.gated_units import SWIGLU as SWIGLU_UNIT, GatedUnit, check_unit
 from ..ops.precision import gemm_dtype, widened
@@ -188,6 +189,7 @@ def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torc
         x = widened(x, wide)
         experts = experts.with_weights(widened(experts.up_weight, wide), widened(experts.down_weight, wide))
     state = settled_state()
+    ops = None
     if state is None:
         path = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
     else:  # an inference call: the path of the facts' inputs, kept (tutel.paths.settled)
@@ -198,10 +200,14 @@ def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torc
             if len(_KEPT_PATHS) >= _MAX_KEPT_PATHS:
                 _KEPT_PATHS.clear()
             path = _KEPT_PATHS[key] = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
-    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(out_dtype)
+        if path in _STAGED_PATHS:  # nothing records or traces: the stages call the operators directly
+            ops = operators_for(x.device)
+    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights, ops=ops)).y.to(out_dtype)
 
 
 # The paths of inference calls by what their facts read (run_routed); bounded, as prefills of
 # ever-new token counts each add one.
 _KEPT_PATHS: Dict[tuple, Path] = {}
 _MAX_KEPT_PATHS = 1024
+# The paths whose stages take the device's operators from the call (tutel.paths.work.Work.ops).
+_STAGED_PATHS = frozenset((Path.EXPERTS_GROUPED, Path.EXPERTS_PER_EXPERT, Path.EXPERTS_PIECES))

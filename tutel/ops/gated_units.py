@@ -105,14 +105,18 @@ def gated_unit(gate_up: torch.Tensor, unit: GatedUnit = SWIGLU, *, bias: Optiona
 
 
 def apply_gated_unit(gate_up: torch.Tensor, unit: GatedUnit, bias: Optional[torch.Tensor] = None,
-                     offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     offsets: Optional[torch.Tensor] = None, eager: Optional[bool] = None) -> torch.Tensor:
     """gated_unit for arguments checked already (experts check their unit when they are built, and
-    the paths make gate_up, bias and offsets themselves)."""
-    if not fused_unit_on(gate_up.device):
+    the paths make gate_up, bias and offsets themselves).  `eager`: whether nothing records or
+    traces the call (``eager_without_grad`` of gate_up and bias, which a caller may have asked
+    already), None to ask here."""
+    # (fused_unit_on and unit_scalars written out: this runs in every gated experts call)
+    if operators_for(gate_up.device).gated_unit is not torch.ops.tutel.gated_unit:
         return gated_unit_composite(gate_up, unit, bias=bias, offsets=offsets)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
-    args = unit_scalars(unit) + (bool(unit.interleaved),)
-    if eager_without_grad(gate_up, bias):
+    limit = None if unit.limit is None else float(unit.limit)
+    args = (float(unit.alpha), float(unit.up_offset), limit, bool(unit.interleaved))
+    if eager_without_grad(gate_up, bias) if eager is None else eager:
         # Nothing to trace or differentiate: skip the custom operator's dispatch.
         hidden = torch.ops.tutel.gated_unit(rows, *args, bias, offsets)
     else:

@@ -1,4 +1,5 @@
 """Finalize stages: the experts' outputs back in token order, weighted by the routing."""
+from ..ops.checks import FLOATING_DTYPES
 from ..ops.dispatch import decode_planned
 from .plans import choice_table
 from .work import Work
@@ -19,9 +20,13 @@ def _combine_gates(work: Work):
 def grouped_combine(work: Work) -> None:
     """Each token's rows of the grouped outputs, weighted and summed (tutel.ops.decode on the
     grouped buffer as one "expert")."""
-    out, plan = work.out, work.plan
-    work.y = decode_planned(out.reshape(1, out.shape[-2], out.shape[-1]), plan.indices, plan.locations,
-                            _combine_gates(work))
+    out, plan, gates = work.out, work.plan, _combine_gates(work)
+    buffer = out.reshape(1, out.shape[-2], out.shape[-1])
+    if work.ops is not None and (gates is None or gates.dtype in FLOATING_DTYPES):
+        # nothing records: the operator itself (what decode_planned runs)
+        work.y = work.ops.gather_slots(buffer, plan.indices, plan.locations, gates, None)[0]
+    else:
+        work.y = decode_planned(buffer, plan.indices, plan.locations, gates)
 
 
 def slots_combine(work: Work) -> None:

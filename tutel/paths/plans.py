@@ -7,7 +7,7 @@
 * the *occupied rows* of megablocks (``occupied_rows``, ``grouped_locations``): each expert's
   load rounded up to a block, one grouped buffer.
 """
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -27,12 +27,13 @@ class RoutingPlan(NamedTuple):
     offsets: torch.Tensor  # [E] int32 end of each expert's rows
 
 
-def plan_routing(expert_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+def plan_routing(expert_ids: torch.Tensor, num_experts: int, ops: Any = None) -> RoutingPlan:
     """Sorts the T*k choices by expert (stably, token-major; ids outside [0, E) last) with tutel's
     ``group_by_expert`` operator: one counting pass on CPU, two launches with no host
-    synchronisation on CUDA (tensor operations elsewhere, tutel.ops.backend)."""
+    synchronisation on CUDA (tensor operations elsewhere, tutel.ops.backend).  `ops`: the device's
+    operators where the caller has them at hand."""
     locations, slot_choices, sorted_ids, counts, ends = \
-        operators_for(expert_ids.device).group_by_expert(expert_ids, num_experts)
+        (operators_for(expert_ids.device) if ops is None else ops).group_by_expert(expert_ids, num_experts)
     return RoutingPlan(None, locations, slot_choices, sorted_ids, counts, ends)
 
 

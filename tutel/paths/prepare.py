@@ -33,13 +33,16 @@ def kept_sorted(work: Work) -> None:
 
 def sorted_rows(work: Work) -> None:
     """The choices sorted by expert and the tokens copied into the grouped rows."""
-    work.plan = plan = plan_routing(work.expert_ids, work.experts.num_experts)
-    work.rows = ops.encode_grouped(work.x, plan.slot_choices, plan.locations)
+    work.plan = plan = plan_routing(work.expert_ids, work.experts.num_experts, work.ops)
+    if work.ops is not None:  # nothing records: the operator itself (what encode_grouped runs)
+        work.rows = work.ops.choice_rows(work.x, plan.slot_choices, plan.locations.shape[0])
+    else:
+        work.rows = ops.encode_grouped(work.x, plan.slot_choices, plan.locations)
 
 
 def sorted_plan(work: Work) -> None:
     """The choices sorted by expert (the pieces gather each piece's rows themselves)."""
-    work.plan = plan_routing(work.expert_ids, work.experts.num_experts)
+    work.plan = plan_routing(work.expert_ids, work.experts.num_experts, work.ops)
 
 
 def planned_rows(work: Work) -> None:

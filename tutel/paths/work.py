@@ -66,15 +66,17 @@ class WeightExperts:
         grouped_rows_mm (same arguments; tutel.paths.experts_per_expert's adds the biases itself)."""
         unit_bias = self.up_bias if product is None and self.unit is not None and self.up_bias is not None and \
             bias_costs_a_launch(rows, self.up_weight, self.transposed) else None
+        eager = None
         if product is None:
-            # Both products without the custom operator where nothing records or traces (asked once).
-            product = grouped_rows_mm_eager if eager_without_grad(
-                rows, self.up_weight, self.down_weight, self.up_bias, self.down_bias) else grouped_rows_mm
+            # Both products and the unit without the custom operators where nothing records or traces
+            # (asked once).
+            eager = eager_without_grad(rows, self.up_weight, self.down_weight, self.up_bias, self.down_bias)
+            product = grouped_rows_mm_eager if eager else grouped_rows_mm
         hidden = product(rows, self.up_weight, plan.offsets, self.transposed,
                          self.up_bias if unit_bias is None else None, zero_tail=False)
         if self.unit is not None:
             hidden = apply_gated_unit(hidden, self.unit, None if unit_bias is None else unit_bias.to(hidden.dtype),
-                                      None if unit_bias is None else plan.offsets)
+                                      None if unit_bias is None else plan.offsets, eager)
         elif self.gate_fn is not None:
             hidden = self.gate_fn(hidden)
         else:
@@ -147,11 +149,11 @@ class Work:
     path's prepare, experts and finalize stages read and set its attributes in turn; ``y`` is the
     call's [T, O] result.  (Slots, not a dict: one is made per call.)"""
     __slots__ = ("x", "experts", "expert_ids", "weights", "crit", "routing", "at_combine", "dropless",
-                 "megablocks_size", "dtype", "plan", "rows", "out", "y", "features")
+                 "megablocks_size", "ops", "dtype", "plan", "rows", "out", "y", "features")
 
     def __init__(self, x: torch.Tensor, experts, *, expert_ids: Optional[torch.Tensor] = None,
                  weights: Optional[torch.Tensor] = None, crit: Any = None, routing: Any = None,
-                 at_combine: bool = True, dropless: bool = False, megablocks_size: int = 0):
+                 at_combine: bool = True, dropless: bool = False, megablocks_size: int = 0, ops: Any = None):
         # attribute by attribute (a class, not a tuple): torch.compile traces every path through it
         self.x = x                    # [T, H] tokens in the compute dtype
         self.experts = experts        # WeightExperts or ModuleExperts
@@ -162,6 +164,9 @@ class Work:
         self.at_combine = at_combine  # the weights apply at the combine (else at the encode)
         self.dropless = dropless
         self.megablocks_size = megablocks_size
+        # x's device's operators (tutel.ops.backend.operators_for) for a call nothing records or
+        # traces, which the stages then call directly (no autograd functions); None otherwise
+        self.ops = ops
         self.dtype = x.dtype          # the products' dtype (a CPU without 16-bit dot products widens)
         self.plan = None
         self.rows: Optional[torch.Tensor] = None
