@@ -19,10 +19,10 @@ from host_calls import count_tutel_calls, fake_cuda, load_host_cost_benchmark
 CEILINGS = {
     ("experts", "cpu", 1): 14, ("experts", "cpu", 64): 14,
     ("experts", "cuda", 1): 13, ("experts", "cuda", 64): 28,
-    ("ffn", "cpu", 1): 53, ("ffn", "cpu", 64): 52,
-    ("ffn", "cuda", 1): 55, ("ffn", "cuda", 64): 55,
-    ("llama_ffn", "cpu", 1): 60, ("llama_ffn", "cpu", 64): 59,
-    ("llama_ffn", "cuda", 1): 56, ("llama_ffn", "cuda", 64): 56,
+    ("ffn", "cpu", 1): 51, ("ffn", "cpu", 64): 50,
+    ("ffn", "cuda", 1): 53, ("ffn", "cuda", 64): 53,
+    ("llama_ffn", "cpu", 1): 58, ("llama_ffn", "cpu", 64): 57,
+    ("llama_ffn", "cuda", 1): 54, ("llama_ffn", "cuda", 64): 54,
 }
 
 

@@ -209,6 +209,8 @@ def encode_planned(x: torch.Tensor, indices: Optional[torch.Tensor], locations: 
     the rest of a small call."""
     if gates is not None and gates.dtype not in FLOATING_DTYPES:  # (_readable's test first: one call fewer)
         gates = _readable(gates, x)
+    if not torch.is_grad_enabled():  # nothing records: the operator itself, without the autograd function
+        return operators_for(x.device).scatter_slots(x, indices, locations, gates, None, num_experts, capacity)[0]
     return _Encode.apply(x, indices, locations, gates, num_experts, capacity)
 
 
@@ -217,4 +219,6 @@ def decode_planned(y: torch.Tensor, indices: Optional[torch.Tensor], locations: 
     """``decode`` of an [E, C, M] buffer for the tables of tutel's own routing (see encode_planned)."""
     if gates is not None and gates.dtype not in FLOATING_DTYPES:  # (as encode_planned)
         gates = _readable(gates, y)
+    if not torch.is_grad_enabled():  # (as encode_planned)
+        return operators_for(y.device).gather_slots(y, indices, locations, gates, None)[0]
     return _Decode.apply(y, indices, locations, gates)

@@ -42,16 +42,21 @@ def _autocast_operands(x, weight):
     return tuple(t if t.dtype in (dtype, torch.float64) else t.to(dtype) for t in (x, weight))
 
 
+def _batched_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     weight_transposed: bool) -> torch.Tensor:
+    """x [E, C, K] times each expert's weight, plus its bias: one bmm / baddbmm."""
+    right = weight.transpose(-1, -2) if weight_transposed else weight  # (_right_factor, inline)
+    if bias is None:
+        return torch.bmm(x, right)
+    if bias.dtype == x.dtype:
+        return torch.baddbmm(bias.unsqueeze(1), x, right)  # the bias is the GEMM's initial value
+    return torch.bmm(x, right) + bias.unsqueeze(1)  # autocast: a wider bias promotes the low-precision product
+
+
 class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_transposed):
-        right = weight.transpose(-1, -2) if weight_transposed else weight  # (_right_factor, inline)
-        if bias is None:
-            out = torch.bmm(x, right)
-        elif bias.dtype == x.dtype:
-            out = torch.baddbmm(bias.unsqueeze(1), x, right)  # the bias is the GEMM's initial value
-        else:  # autocast: a wider bias promotes the low-precision product
-            out = torch.bmm(x, right) + bias.unsqueeze(1)
+        out = _batched_product(x, weight, bias, weight_transposed)
         ctx.weight_transposed = weight_transposed
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         return out
@@ -149,6 +154,8 @@ def linear_of_experts(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                                         None if bias is None else widened(bias, wide), weight_transposed, group_rows)
             return out.to(out_dtype)
     if group_rows is None:
+        if not torch.is_grad_enabled():  # nothing records: the product without the autograd function
+            return _batched_product(x, weight, bias, weight_transposed)
         return _BatchedLinear.apply(x, weight, bias, bool(weight_transposed))
     if x.device.type != "cpu" or (bias is not None and bias.dtype != x.dtype):
         # Off the CPU: grouped_rows_mm (grouped_mm where PyTorch has it for these operands, else
