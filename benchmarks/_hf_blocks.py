@@ -78,9 +78,10 @@ def built_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
 
 
 def build_block(name: str, dtype: torch.dtype, smoke: bool, seed: int = 0, device: str = "cpu",
-                full_size: bool = False) -> Block:
+                full_size: bool = False, sizes: Optional[Dict[str, int]] = None) -> Block:
     """The family's MoE block with random weights (the routers' too: transformers zero-initialises them),
-    on `device`; `full_size` takes the published model's layer shapes (FULL_SIZES) instead of the scaled ones."""
+    on `device`; `full_size` takes the published model's layer shapes (FULL_SIZES) instead of the scaled ones,
+    `sizes` the config values given (after the others)."""
     import transformers
     config_name, kwargs, block_path = FAMILIES[name]
     kwargs = dict(kwargs)
@@ -88,6 +89,7 @@ def build_block(name: str, dtype: torch.dtype, smoke: bool, seed: int = 0, devic
         kwargs.update(FULL_SIZES[name])
     if smoke:
         kwargs.update({key: value for key, value in SMOKE_SIZES.items() if key in kwargs})
+    kwargs.update({key: value for key, value in (sizes or {}).items() if key in kwargs})
     config = getattr(transformers, config_name)(**kwargs)
     config._experts_implementation = "eager"
     torch.manual_seed(seed)

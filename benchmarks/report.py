@@ -23,6 +23,8 @@ MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distribut
 # the third one of the published layer shapes at decoding sizes
 FRAMEWORK_BENCHMARKS = ("transformers_moe", "transformers_moe_16bit_large", "transformers_moe_full_size")
 KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
+# optional: experts with quantized weights (needs transformers for its bfloat16 baselines)
+QUANTIZED_BENCHMARKS = ("quantized_experts",)
 # optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
 CHANGE_BENCHMARKS = ("compare_builds", "host_cost")
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
@@ -61,8 +63,8 @@ def with_layer_limit(rows: List[dict], gemm_gflops: Optional[float]) -> List[dic
 
 def load_results(directory: str) -> Dict[str, dict]:
     results = {}
-    for name in (BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS + KERNEL_BENCHMARKS + CHANGE_BENCHMARKS
-                 + GPU_BENCHMARKS):
+    for name in (BENCHMARKS + MULTI_PROCESS_BENCHMARKS + FRAMEWORK_BENCHMARKS + KERNEL_BENCHMARKS
+                 + QUANTIZED_BENCHMARKS + CHANGE_BENCHMARKS + GPU_BENCHMARKS):
         path = os.path.join(directory, f"{name}.json")
         if os.path.exists(path):
             with open(path) as handle:
@@ -717,6 +719,16 @@ Qwen3-30B-A3B's layer, bfloat16, on the H200 of "On a GPU" below (`benchmarks/pr
   GPU" below once a GPU run is recorded) and written to `tutel/ops/decode_lines.json` by its
   `--apply`; without a line for the device the kernel takes every call within its tested sizes.
 
+### Quantized experts at decoding sizes on the CPU
+
+`tutel.experts.routed_quantized_experts` (and transformers' FP8 experts through "tutel") with up to
+32 tokens run `tutel::decode_quantized_experts`, which reads each chosen expert's packed codes once;
+more tokens dequantize each busy expert's matrices once for all its rows.
+`benchmarks/quantized_experts.py` times the call in the three formats against bfloat16 and the
+floor of reading the chosen experts' bytes once, at gpt-oss-20b's and Qwen3-30B-A3B's layer
+shapes, on both sides of the line.  The line is the operator's range (what it is made and tested
+for), not a measured crossover; the script's figures are to be recorded here.
+
 ### Routing on the CPU
 
 * `core::select_topk` skips blocks of 16 scores that cannot enter the top-k list only from 256
@@ -953,6 +965,28 @@ def host_cost_section(result: dict) -> str:
             "experts, fp32, one thread.  Targets: transformers experts <= 30 calls on CUDA at any T, moe_layer <= 60, "
             "the experts call no slower than batched_mm's, the tiny moe_layer forward <= 0.6x Tutel 0.3.3's.\n\n"
             + format_table(result["rows"], result["columns"]))
+
+
+def quantized_experts_section(result: dict) -> str:
+    """Experts with quantized weights against bfloat16 on the CPU (benchmarks/quantized_experts.py)."""
+    m = result["machine"]
+    columns = ["model", "T", "experts_read", "bf16_ms", "bf16/limit", "hf_eager_ms", "hf_grouped_mm_ms"] + \
+        [column for f in ("mxfp4", "nvfp4", "fp8_block") for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + \
+        ["read_gbps"]
+    targets = [{"model": t["model"], "T": t["T"], "target": t["target"], "value": t["value"],
+                "met": "yes" if t["met"] else "**no**"} for t in result["targets"]]
+    return ("## Quantized experts on the CPU (`benchmarks/quantized_experts.py`)\n\n"
+            "The layers of gpt-oss-20b (H = I = 2880, 32 experts, top-4, clamped SwiGLU with biases) and "
+            "Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8) with bfloat16 activations: "
+            "`tutel.experts.routed_quantized_experts` on MXFP4, NVFP4 and block-FP8 (128 x 128) weights "
+            "(weight-only), `routed_experts` on the same layer in bfloat16 (*bf16*), and transformers' own "
+            "experts in bfloat16 (*hf_eager*, *hf_grouped_mm*).  *limit*: the bytes of the distinct experts the "
+            "tokens chose, in each candidate's format, over the read bandwidth measured in the same run; "
+            "*bf16/X*: how many times faster X is than tutel's bfloat16 call.  Every timed call starts on cold "
+            f"caches.  Measured on: {m['cpu']} ({m['logical_cpus']} logical CPUs, {m['torch_threads']} threads); "
+            f"torch {m['torch']}; finished {result.get('finished', '?')}.\n\n"
+            + format_table(result["rows"], columns) + "\n\nTargets:\n\n"
+            + format_table(targets, ["model", "T", "target", "value", "met"]))
 
 
 def transformers_section(result: dict, picture: str = "") -> str:
@@ -1206,6 +1240,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
         parts.append(compare_builds_section(results["compare_builds"]))
     if results.get("host_cost"):
         parts.append(host_cost_section(results["host_cost"]))
+    if results.get("quantized_experts"):
+        parts.append(quantized_experts_section(results["quantized_experts"]))
     if any(results.get(name) for name in GPU_BENCHMARKS):
         parts.append(gpu_section(results))
     parts.append(NOTES)

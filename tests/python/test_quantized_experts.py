@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import quant_spec
 from tutel.experts import routed_quantized_experts
+from tutel.paths import facts
 from tutel.ops.gated_units import GatedUnit
 from tutel.ops.quantized_experts import CUDA_NOT_IMPLEMENTED, dequantize_expert, require_cpu
 from tutel.quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights
@@ -68,8 +69,10 @@ def dynamic_reference(values, group):
     return out
 
 
-def reference(x, ids, weights, up, down, dtype, *, gate_weight=None, hidden_rule, dynamic=False):
-    """sum over choices of w * down_e(rule(up_e(x))) in float64, one token and choice at a time.
+def reference(x, ids, weights, up, down, dtype, *, gate_weight=None, hidden_rule, dynamic=False, up_bias=None,
+              down_bias=None):
+    """sum over choices of w * down_e(rule(up_e(x))) in float64, one token and choice at a time, where
+    up_e(v) = Wup[e] v + up_bias[e] and down_e(v) = Wdown[e] v + down_bias[e] (biases optional).
     With `dynamic`, the activations are rounded to `dtype` where the products hand them on (the
     model's dtype between the products) and each product's input follows dynamic_reference."""
     up_w, down_w = spec_matrices(up), spec_matrices(down)
@@ -78,16 +81,29 @@ def reference(x, ids, weights, up, down, dtype, *, gate_weight=None, hidden_rule
     rounded = (lambda v: v.to(dtype).to(torch.float64)) if dynamic else (lambda v: v)
     quantized_up = (lambda v: dynamic_reference(v, up.block[1])) if dynamic else (lambda v: v)
     quantized_down = (lambda v: dynamic_reference(v, down.block[1])) if dynamic else (lambda v: v)
+    no_up_bias = torch.zeros(up_w.shape[:2], dtype=torch.float64)
+    no_down_bias = torch.zeros(down_w.shape[:2], dtype=torch.float64)
+    up_b = no_up_bias if up_bias is None else up_bias.double()
+    down_b = no_down_bias if down_bias is None else down_bias.double()
     y = torch.zeros(x.shape[0], down_w.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             if not 0 <= e < up_w.shape[0]:
                 continue
-            h = rounded(up_w[e] @ quantized_up(x[t].double()))
+            h = rounded(up_w[e] @ quantized_up(x[t].double()) + up_b[e])
             h = rounded(hidden_rule(h))
-            y[t] += float(weights[t, j]) * rounded(down_w[e] @ quantized_down(h))
+            y[t] += float(weights[t, j]) * rounded(down_w[e] @ quantized_down(h) + down_b[e])
     return y
+
+
+@pytest.fixture(params=["decode_line", "products_only"])
+def both_paths(request, monkeypatch):
+    """Each call as the rules route it (the decode operator up to its line where it computes the
+    experts), and with the line at -1: every call on the products path."""
+    if request.param == "products_only":
+        monkeypatch.setattr(facts, "QUANTIZED_DECODE_MAX_TOKENS", -1)
+    return request.param
 
 
 def swiglu(h):
@@ -106,7 +122,7 @@ def assert_close_to(actual, expected, dtype, tolerance=None):
 @pytest.mark.parametrize("block", [(128, 128), (16, 16), (32, 8)])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_weight_only_equals_the_float64_reference(block, scale_dtype, dtype):
+def test_weight_only_equals_the_float64_reference(block, scale_dtype, dtype, both_paths):
     up = fp8(E, 2 * I, H, block, scale_dtype, seed=2, gate_up_rows="concatenated")
     down = fp8(E, H, I, block, scale_dtype, seed=3)
     x, ids, weights = inputs(17, 3, dtype)
@@ -145,7 +161,7 @@ def test_dynamic_activations_of_an_all_zero_group_are_zero():
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17])
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
-def test_token_counts_choices_and_ids_outside_the_experts(tokens, k):
+def test_token_counts_choices_and_ids_outside_the_experts(tokens, k, both_paths):
     up = fp8(E, 2 * I, H, (16, 16), seed=7, gate_up_rows="concatenated")
     down = fp8(E, H, I, (16, 16), seed=8)
     x, ids, weights = inputs(tokens, k, torch.float32, seed=tokens + k, sentinels=True)
@@ -154,7 +170,7 @@ def test_token_counts_choices_and_ids_outside_the_experts(tokens, k):
     assert_close_to(y, reference(x, ids, weights, up, down, torch.float32, hidden_rule=swiglu), torch.float32)
 
 
-def test_no_weights_means_one():
+def test_no_weights_means_one(both_paths):
     up = fp8(E, 2 * I, H, (16, 16), seed=7, gate_up_rows="concatenated")
     down = fp8(E, H, I, (16, 16), seed=8)
     x, ids, weights = inputs(5, 2, torch.float32)
@@ -165,7 +181,7 @@ def test_no_weights_means_one():
 
 @pytest.mark.parametrize("form", ["gate_fn", "clamped_unit", "up_only", "gate_apart"])
 @pytest.mark.parametrize("activations", ["weight_only", "dynamic"])
-def test_the_gate_forms(form, activations):
+def test_the_gate_forms(form, activations, both_paths):
     dtype = torch.float32
     x, ids, weights = inputs(11, 3, dtype, seed=9)
     down = fp8(E, H, I, (16, 16), seed=10)
@@ -198,7 +214,7 @@ def test_the_gate_forms(form, activations):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
-def test_float16_and_float64_tokens(dtype):
+def test_float16_and_float64_tokens(dtype, both_paths):
     up = fp8(E, 2 * I, H, (32, 32), seed=15, gate_up_rows="concatenated")
     down = fp8(E, H, I, (32, 32), seed=16)
     x, ids, weights = inputs(6, 2, dtype)
@@ -218,7 +234,7 @@ def test_many_rows_run_in_pieces(monkeypatch):
 
 
 @pytest.mark.parametrize("stack", ["mxfp4", "nvfp4"])
-def test_other_formats_run_weight_only(stack):
+def test_other_formats_run_weight_only(stack, both_paths):
     columns = 64  # a multiple of both formats' scale groups
     generator = torch.Generator().manual_seed(19)
     make = Mxfp4Weights.quantize if stack == "mxfp4" else Nvfp4Weights.quantize
@@ -234,7 +250,8 @@ def test_other_formats_run_weight_only(stack):
 
 
 def test_one_expert_is_dequantized_at_a_time(monkeypatch):
-    """Each product reads one expert's matrix; no call dequantizes a whole stack."""
+    """Each product reads one expert's matrix; no call dequantizes a whole stack (the products path:
+    float64 tokens, which the decode operator does not take)."""
     from tutel.ops import quantized_experts
     seen = []
     real = quantized_experts.dequantize_expert
@@ -244,7 +261,7 @@ def test_one_expert_is_dequantized_at_a_time(monkeypatch):
     up = fp8(E, 2 * I, H, (16, 16), seed=20, gate_up_rows="concatenated")
     down = fp8(E, H, I, (16, 16), seed=21)
     ids = torch.tensor([[4, 1], [4, 7]])
-    routed_quantized_experts(torch.randn(2, H), ids, torch.rand(2, 2), up, down, gate="swiglu")
+    routed_quantized_experts(torch.randn(2, H, dtype=torch.float64), ids, torch.rand(2, 2), up, down, gate="swiglu")
     assert sorted(seen) == [1, 1, 4, 4, 7, 7]  # the up and the down matrix of each busy expert
     for expert in (0, 8):
         torch.testing.assert_close(real(up, expert, torch.float64), spec_matrices(up)[expert], rtol=0, atol=0)
@@ -354,8 +371,9 @@ def test_the_dequantized_expert_is_the_specifications():
 
 
 def test_the_call_runs_on_the_experts_entrys_paths(monkeypatch):
-    """On the CPU the chooser sends the call to the kept rows in pieces (no fused operator takes
-    quantized stacks), through tutel.paths.run."""
+    """On the CPU the chooser sends a call past the decode line (or that the decode operator does
+    not compute: W8A8) to the kept rows in pieces, a decoding-size call to the decode operator,
+    both through tutel.paths.run."""
     from tutel.experts import quantized
     from tutel.rules.paths import Path
     taken = []
@@ -365,4 +383,158 @@ def test_the_call_runs_on_the_experts_entrys_paths(monkeypatch):
     down = fp8(E, H, I, (16, 16))
     x, ids, weights = inputs(2, 2, torch.float32)
     routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
-    assert taken == [Path.EXPERTS_PIECES]
+    routed_quantized_experts(x, ids, weights, up, down, gate="swiglu", activations="dynamic")
+    x, ids, weights = inputs(33, 2, torch.float32)
+    routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
+    assert taken == [Path.EXPERTS_QUANTIZED_DECODE, Path.EXPERTS_PIECES, Path.EXPERTS_PIECES]
+
+
+# -- biases ------------------------------------------------------------------------------------
+
+FP4_H, FP4_I = 64, 32  # the fp4 formats' rows hold whole scale groups (32 for MXFP4, 16 for NVFP4)
+
+
+def stack_of(format, experts, rows, columns, seed, gate_up_rows=None):
+    """A random (E, rows, columns) stack in `format` (fp8_block in (16, 16) blocks)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(experts, rows, columns, generator=generator, dtype=torch.float64) * 0.3
+    if format == "fp8_block":
+        return Fp8BlockWeights.quantize(weight, block=(16, 16), gate_up_rows=gate_up_rows)
+    make = Mxfp4Weights.quantize if format == "mxfp4" else Nvfp4Weights.quantize
+    return make(weight, gate_up_rows=gate_up_rows)
+
+
+def biases(up_rows, outputs, dtype, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return ((torch.randn(E, up_rows, generator=generator, dtype=torch.float64) * scale).to(dtype),
+            (torch.randn(E, outputs, generator=generator, dtype=torch.float64) * scale).to(dtype))
+
+
+def gpt_oss_rule(h):
+    """gpt-oss' unit on interleaved [gate, up] pairs: the gate clamped above at 7, the up to [-7, 7],
+    (up + 1) * gate * sigmoid(1.702 * gate)."""
+    gate, value = h[0::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+    return (value + 1.0) * gate * torch.sigmoid(1.702 * gate)
+
+
+@pytest.mark.parametrize("format", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_biases_are_added_to_each_experts_products(format, dtype, bias_dtype, both_paths):
+    width, inner = (H, I) if format == "fp8_block" else (FP4_H, FP4_I)
+    up = stack_of(format, E, 2 * inner, width, seed=30, gate_up_rows="concatenated")
+    down = stack_of(format, E, width, inner, seed=31)
+    up_bias, down_bias = biases(2 * inner, width, bias_dtype, seed=32)
+    generator = torch.Generator().manual_seed(33)
+    x = torch.randn(7, width, generator=generator, dtype=torch.float64).to(dtype)
+    ids = torch.rand(7, E, generator=generator).argsort(dim=1)[:, :3]
+    ids[0, 0], ids[3, 1] = -1, E  # expert parallelism's sentinels
+    weights = torch.rand(7, 3, generator=generator).to(dtype)
+    y = routed_quantized_experts(x, ids, weights, up, down, gate="swiglu", up_bias=up_bias, down_bias=down_bias)
+    expected = reference(x, ids, weights, up, down, dtype, hidden_rule=swiglu, up_bias=up_bias, down_bias=down_bias)
+    assert_close_to(y, expected, dtype)
+    # the biases matter: without them the result is far off
+    assert (reference(x, ids, weights, up, down, dtype, hidden_rule=swiglu) - expected).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_gpt_oss_unit_with_its_biases(dtype, both_paths):
+    """The call gpt-oss' front end makes: MXFP4 stacks, the clamped interleaved unit, biases laid out
+    like the interleaved rows (large enough that the clamps bite)."""
+    up = stack_of("mxfp4", E, 2 * FP4_I, FP4_H, seed=34, gate_up_rows="interleaved")
+    down = stack_of("mxfp4", E, FP4_H, FP4_I, seed=35)
+    up_bias, down_bias = biases(2 * FP4_I, FP4_H, torch.bfloat16, seed=36, scale=4.0)
+    generator = torch.Generator().manual_seed(37)
+    x = torch.randn(5, FP4_H, generator=generator, dtype=torch.float64).to(dtype)
+    ids = torch.rand(5, E, generator=generator).argsort(dim=1)[:, :4]
+    weights = torch.softmax(torch.randn(5, 4, generator=generator), dim=1).to(dtype)
+    y = routed_quantized_experts(x, ids, weights, up, down, gate=GatedUnit(1.702, 1.0, 7.0, interleaved=True),
+                                 up_bias=up_bias, down_bias=down_bias)
+    expected = reference(x, ids, weights, up, down, dtype, hidden_rule=gpt_oss_rule, up_bias=up_bias,
+                         down_bias=down_bias)
+    assert_close_to(y, expected, dtype)
+    spec_up = spec_matrices(up)
+    pre_unit = torch.einsum("th,enh->ten", x.double(), spec_up) + up_bias.double()
+    assert (pre_unit.abs() > 7).any(), "the test must reach the clamps"
+
+
+@pytest.mark.parametrize("form", ["gate_apart", "up_only", "gate_fn"])
+@pytest.mark.parametrize("activations", ["weight_only", "dynamic"])
+def test_biases_with_the_other_gate_forms(form, activations, both_paths):
+    """With a gate stack of its own `up_bias` is [E, 2I] for [gate | up]; without a gate [E, I]."""
+    dtype = torch.float32
+    x, ids, weights = inputs(9, 3, dtype, seed=38, sentinels=True)
+    down = fp8(E, H, I, (16, 16), seed=39)
+    gate_weight = None
+    if form == "gate_apart":
+        gate_weight, up = fp8(E, I, H, (16, 16), seed=40), fp8(E, I, H, (16, 16), seed=41)
+        kwargs, rule, up_rows = dict(gate="swiglu", gate_weight=gate_weight), swiglu, 2 * I
+    elif form == "up_only":
+        up = fp8(E, I, H, (16, 16), seed=42)
+        kwargs, rule, up_rows = dict(activation=F.relu), F.relu, I
+    else:
+        up = fp8(E, 2 * I, H, (16, 16), seed=43, gate_up_rows="concatenated")
+
+        def rule(h):
+            gate, value = h.chunk(2, dim=-1)
+            return torch.tanh(gate) * value
+        kwargs, up_rows = dict(gate_fn=rule), 2 * I
+    up_bias, down_bias = biases(up_rows, H, torch.float64, seed=44)
+    y = routed_quantized_experts(x, ids, weights, up, down, activations=activations, up_bias=up_bias,
+                                 down_bias=down_bias, **kwargs)
+    expected = reference(x, ids, weights, up, down, dtype, gate_weight=gate_weight, hidden_rule=rule,
+                         dynamic=activations == "dynamic", up_bias=up_bias, down_bias=down_bias)
+    assert_close_to(y, expected, dtype)
+
+
+def test_one_bias_alone_and_no_tokens():
+    up = fp8(E, 2 * I, H, (16, 16), seed=45, gate_up_rows="concatenated")
+    down = fp8(E, H, I, (16, 16), seed=46)
+    up_bias, down_bias = biases(2 * I, H, torch.float32, seed=47)
+    for tokens in (0, 4, 40):
+        x, ids, weights = inputs(tokens, 2, torch.float32, seed=48)
+        for kwargs in (dict(up_bias=up_bias), dict(down_bias=down_bias)):
+            y = routed_quantized_experts(x, ids, weights, up, down, gate="swiglu", **kwargs)
+            assert_close_to(y, reference(x, ids, weights, up, down, torch.float32, hidden_rule=swiglu, **kwargs),
+                            torch.float32)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(up_bias=torch.zeros(E, 2 * I - 1)), ValueError,
+     r"`up_bias` has shape \(9, 23\); expected \[E, U\] = \(9, 24\), laid out as `up`'s rows"),
+    (dict(up_bias=torch.zeros(E - 1, 2 * I)), ValueError, r"`up_bias` has shape \(8, 24\); expected .* \(9, 24\)"),
+    (dict(up_bias=torch.zeros(2 * I)), ValueError, r"`up_bias` has shape \(24,\); expected"),
+    (dict(down_bias=torch.zeros(E, H + 1)), ValueError, r"`down_bias` has shape \(9, 41\); expected \[E, O\] = "
+                                                        r"\(9, 40\)"),
+    (dict(up_bias=torch.zeros(E, 2 * I, dtype=torch.int32)), TypeError, "`up_bias` must be floating point, got "
+                                                                         "torch.int32"),
+    (dict(down_bias=[0.0] * H), TypeError, "`down_bias` must be a tensor or None, got list"),
+    (dict(gate_weight=fp8(E, I, H, (16, 16)), up=fp8(E, I, H, (16, 16)), up_bias=torch.zeros(E, I)), ValueError,
+     r"`up_bias` has shape \(9, 12\); expected \[E, U\] = \(9, 24\), laid out as \[gate \| up\]"),
+])
+def test_bad_biases_name_the_argument(changes, error, message):
+    arguments = _bad(**changes)
+    with pytest.raises(error, match=message):
+        routed_quantized_experts(arguments.pop("x"), arguments.pop("expert_ids"), arguments.pop("weights"),
+                                 arguments.pop("up"), arguments.pop("down"), **arguments)
+
+
+def test_a_bias_autograd_would_record_is_refused():
+    arguments = _bad()
+    bias = torch.zeros(E, H, requires_grad=True)
+    call = lambda: routed_quantized_experts(arguments["x"], arguments["expert_ids"], arguments["weights"],
+                                            arguments["up"], arguments["down"], gate="swiglu", down_bias=bias)
+    with pytest.raises(NotImplementedError, match="the biases require grad"):
+        call()
+    with torch.no_grad():
+        assert not call().requires_grad
+
+
+def test_cuda_biases_are_refused_naming_issue_45():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.zeros(E, H, device="cuda")
+    with pytest.raises(NotImplementedError, match=r"`down_bias` is on cuda.*tutel issue 45"):
+        arguments = _bad(down_bias=fake)
+        routed_quantized_experts(arguments.pop("x"), arguments.pop("expert_ids"), arguments.pop("weights"),
+                                 arguments.pop("up"), arguments.pop("down"), **arguments)

@@ -5,24 +5,33 @@
 
     y[t] = sum_j  weights[t, j] * down_e( gate( up_e(x[t]) ) ),   e = expert_ids[t, j]
 
-with each expert's matrices dequantized one expert at a time (never a whole stack in floating
-point), the products accumulated in float32 (float64 for float64 tokens) and the activations kept
-in the tokens' dtype between them (tutel.ops.quantized_experts).  ``activations="dynamic"``
-quantizes each product's input as W8A8 block-FP8 checkpoints prescribe (DeepSeek-V3's rule, per
-token and per block of columns); ``"weight_only"`` (the default) takes the activations as they are.
-Choices whose id lies outside [0, E) contribute nothing.
+where ``up_e(v) = v @ Wup[e]^T + up_bias[e]`` and ``down_e(v) = v @ Wdown[e]^T + down_bias[e]``
+(the biases optional, of any floating dtype, added in the products' accumulation dtype), with each
+expert's matrices dequantized one expert at a time (never a whole stack in floating point), the
+products accumulated in float32 (float64 for float64 tokens) and the activations kept in the
+tokens' dtype between them (tutel.ops.quantized_experts).  ``up_bias`` is laid out as the values
+the gate rule reads: like `up`'s rows ([E, U]; interleaved for gpt-oss' interleaved unit), or
+[E, 2I] for [gate | up] where the gates are a stack of their own (`gate_weight`).
+``activations="dynamic"`` quantizes each product's input as W8A8 block-FP8 checkpoints prescribe
+(DeepSeek-V3's rule, per token and per block of columns); ``"weight_only"`` (the default) takes the
+activations as they are.  Choices whose id lies outside [0, E) contribute nothing.
 
-The call runs on the experts entry's paths (tutel.rules.paths): the choices sorted by expert, the
-kept rows in bounded pieces, each piece's outputs weighted and added up.  The CPU only: tokens or
-stacks on CUDA raise NotImplementedError (tutel issue 45), as does a call that autograd would
-record (quantized experts run inference only).
+The call runs on the experts entry's paths (tutel.rules.paths).  Up to 32 tokens
+(tutel.rules.lines.QUANTIZED_DECODE_MAX_TOKENS) of float32 / bfloat16 / float16 with weight-only
+activations, a GatedUnit (``"swiglu"``) or an up-only F.gelu / F.relu / nn.GELU / nn.ReLU, and
+no gate stack of its own, one call of tutel's decode_quantized_experts operator reads each chosen
+expert's packed codes once, keeping the units' values in float32 (the ``quantized_decode`` fact).
+Otherwise the choices are sorted by expert, the kept rows run in bounded pieces, each piece's
+outputs weighted and added up.  The CPU only: tokens, stacks or biases on CUDA raise
+NotImplementedError (tutel issue 45), as does a call that autograd would record (quantized experts
+run inference only; the tokens, the routing weights and the biases count).
 """
 from typing import Callable, Optional, Union
 
 import torch
 
 from ..ops.gated_units import GatedUnit, check_unit
-from ..ops.quantized_experts import WEIGHT_ONLY, check_quantized_experts, require_cpu
+from ..ops.quantized_experts import WEIGHT_ONLY, check_expert_biases, check_quantized_experts, require_cpu
 from ..paths import QuantizedExperts, Work, run
 from ..paths.facts import quantized_experts_facts
 from ..rules.paths import EXPERTS, choose_path
@@ -31,7 +40,8 @@ from .routed import GATES, check_gate_rule, check_routing, gate_unit_of
 WHERE = "tutel.experts.routed_quantized_experts"
 
 
-def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations) -> None:
+def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations, up_bias,
+           down_bias) -> None:
     check_routing(x, expert_ids, weights, WHERE)
     check_gate_rule(gate, gate_fn, activation, WHERE, f"{'/'.join(GATES)} or a GatedUnit")
     unit = gate_unit_of(gate)
@@ -48,6 +58,7 @@ def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activat
     if x.shape[1] != width:
         raise ValueError(f"{WHERE}: `x` {tuple(x.shape)} must have the {width} features the up projection "
                          f"{up.shape} takes")
+    check_expert_biases(up_bias, down_bias, up, down, gate_weight, WHERE)
     for name, tensor in (("x", x), ("expert_ids", expert_ids), ("weights", weights)):
         if tensor is not None:
             require_cpu(tensor.device, f"{WHERE}: `{name}`")
@@ -57,7 +68,8 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
                              down, *, gate_weight=None, gate: Union[None, str, GatedUnit] = None,
                              gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                              activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                             activations: str = WEIGHT_ONLY) -> torch.Tensor:
+                             activations: str = WEIGHT_ONLY, up_bias: Optional[torch.Tensor] = None,
+                             down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routing-weighted sum of each token's quantized experts (see the module docstring).
 
     Args:
@@ -74,19 +86,24 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
         gate_fn: callable [n, 2I] -> [n, I] in x's dtype (any other gate rule).
         activation: elementwise callable for experts without a gate.
         activations: ``"weight_only"`` or ``"dynamic"`` (W8A8; block-FP8 stacks only).
+        up_bias: optional [E, U] bias of the up projection, laid out like `up`'s rows (gpt-oss'
+            interleaved [gate, up] pairs for its interleaved unit); with `gate_weight`, [E, 2I]
+            for [gate | up] as the gate rule sees them.  Any floating dtype.
+        down_bias: optional [E, O] bias of the down projection.  Any floating dtype.
 
     Returns:
         [T, O] in x's dtype.
 
     Raises:
-        NotImplementedError: tokens or stacks on CUDA (tutel issue 45), or a call autograd would
-            record.
+        NotImplementedError: tokens, stacks or biases on CUDA (tutel issue 45), or a call autograd
+            would record.
         TypeError, ValueError: arguments that do not fit together, naming the argument.
     """
-    _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations)
+    _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations, up_bias,
+           down_bias)
     unit = gate_unit_of(gate)
     experts = QuantizedExperts(up, down, gate_weight, unit, None if unit is not None else gate_fn, activation,
-                               activations)
+                               activations, up_bias, down_bias)
     return run_quantized(x, expert_ids, weights, experts)
 
 
@@ -97,11 +114,11 @@ def run_quantized(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
     [T, O] in x's dtype."""
     if x.device.type != "cpu":
         require_cpu(x.device, f"{WHERE}: the tokens")
-    facts = quantized_experts_facts(x, expert_ids, weights)
+    facts = quantized_experts_facts(x, expert_ids, weights, experts)
     if facts["gradient"]:
         raise NotImplementedError(f"{WHERE}: quantized experts run inference only, but autograd records this call "
-                                  f"(the tokens or the routing weights require grad); call the model under "
-                                  f"torch.no_grad() or torch.inference_mode() (generate() does), or train on "
+                                  f"(the tokens, the routing weights or the biases require grad); call the model "
+                                  f"under torch.no_grad() or torch.inference_mode() (generate() does), or train on "
                                   f"dequantized experts")
     path = choose_path(EXPERTS, facts).path
     return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(x.dtype)

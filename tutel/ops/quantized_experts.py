@@ -2,13 +2,15 @@
 
 For the rows of expert e (rows grouped by expert, as ``group_by_expert``'s ends give them):
 
-    h = gate(x @ Wup[e]^T)        (or activation(x @ Wup[e]^T) for experts without a gate)
-    y = h @ Wdown[e]^T
+    h = gate(x @ Wup[e]^T + up_bias[e])        (or activation(...) for experts without a gate)
+    y = h @ Wdown[e]^T + down_bias[e]
 
 where W[e] is expert e's matrix dequantized as its format defines it, one expert at a time (never
 the whole stack in floating point), and each product accumulates in float32 (float64 for float64
-rows).  Each product's result is rounded to the rows' dtype, so the activations between the
-products are in the model's dtype, as transformers' experts keep them.
+rows), its bias (any floating dtype, optional) added there.  Each product's result is then
+rounded to the rows' dtype, so the activations between the products are in the model's dtype, as
+transformers' experts keep them.  ``up_bias`` is laid out as the values the gate rule reads: [E, U]
+like `up`'s rows, or [E, 2I] for [gate | up] where the gates are a stack of their own.
 
 What the products' inputs are (``activations``):
 
@@ -21,16 +23,24 @@ What the products' inputs are (``activations``):
   then sum over the groups of a_scale * w_scale * (a_codes . w_codes), computed as the product of
   the dequantized operands.
 
+At decoding sizes the same experts run in one call of tutel's ``decode_quantized_experts``
+operator (``decode_quantized_products``), which streams each chosen expert's packed codes once and
+keeps the units' values in float32: where ``decode_form`` finds a form of the experts the operator
+computes (weight-only activations, up and down in one format, a GatedUnit or an up-only gelu /
+relu it recognises, no gate stack of its own), tutel.rules.paths may choose it.
+
 Only the CPU computes: a stack or rows on CUDA raise NotImplementedError (tutel issue 45 adds the
 kernels), so that no call silently dequantizes whole stacks on a GPU.  Nothing here records
 gradients (quantized experts run inference only; the callers refuse calls that would).
 """
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
-from ..quant import Fp8BlockWeights, QuantizedWeights
-from .gated_units import GatedUnit, apply_gated_unit
+from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
+from ..quant.codes import FLOAT8_E8M0FNU
+from .gated_units import GatedUnit, apply_gated_unit, unit_scalars
 
 WEIGHT_ONLY = "weight_only"
 DYNAMIC = "dynamic"
@@ -93,6 +103,11 @@ def dynamic_activations(values: torch.Tensor, group: int, dtype: torch.dtype) ->
     return codes.mul_(scale.to(dtype)).view(rows, groups * group)[:, :columns]
 
 
+def _with_bias(product: torch.Tensor, bias: Optional[torch.Tensor], expert: int) -> torch.Tensor:
+    """product [n, N] plus expert `expert`'s row of `bias` (already in the product's dtype), in place."""
+    return product if bias is None else product.add_(bias[expert])
+
+
 def _product(values: torch.Tensor, stack: QuantizedWeights, expert: int, dynamic: bool, dtype: torch.dtype,
              weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """values [n, K] @ W[expert]^T in `dtype` (W dequantized unless given as `weight`)."""
@@ -110,7 +125,8 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
                               unit: Optional[GatedUnit] = None,
                               gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                               activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                              activations: str = WEIGHT_ONLY) -> torch.Tensor:
+                              activations: str = WEIGHT_ONLY, up_bias: Optional[torch.Tensor] = None,
+                              down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The experts' outputs for [n, H] rows grouped by expert (see the module docstring).
 
     Args:
@@ -127,6 +143,9 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
         gate_fn: a callable [n, 2I] -> [n, I] (the model's gate rule), used where `unit` is None.
         activation: an elementwise callable for experts without a gate (no `unit`, no `gate_fn`).
         activations: "weight_only" or "dynamic" (W8A8; block-FP8 stacks only).
+        up_bias: [E, U] added to the up projection (U: the values the gate rule reads, [gate | up]
+            with `gate_weight`), or None.
+        down_bias: [E, O] added to the down projection, or None.
 
     The arguments are checked by the callers once (``check_quantized_experts``), not here: this runs
     for every piece of rows.
@@ -141,6 +160,11 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
     dynamic = activations == DYNAMIC
     out = rows.new_zeros((rows.shape[0], down.out_features))
     with torch.no_grad():  # the stacks' float8 tensors may require grad; nothing here is differentiated
+        # the biases in the accumulation dtype once, each expert's row added to its product there
+        if up_bias is not None:
+            up_bias = up_bias.to(wide)
+        if down_bias is not None:
+            down_bias = down_bias.to(wide)
         start = 0
         for expert, end in enumerate(ends):
             if end <= start:
@@ -148,14 +172,15 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
             up_matrix = dequantize_expert(up, expert, wide)
             if gate_weight is not None:  # [gate; up] rows, one product
                 up_matrix = torch.cat((dequantize_expert(gate_weight, expert, wide), up_matrix))
-            hidden = _product(rows[start:end], up, expert, dynamic, wide, up_matrix).to(dtype)
+            hidden = _with_bias(_product(rows[start:end], up, expert, dynamic, wide, up_matrix), up_bias,
+                                expert).to(dtype)
             if unit is not None:
                 hidden = apply_gated_unit(hidden, unit)
             elif gate_fn is not None:
                 hidden = gate_fn(hidden)
             else:
                 hidden = activation(hidden)
-            out[start:end] = _product(hidden, down, expert, dynamic, wide)
+            out[start:end] = _with_bias(_product(hidden, down, expert, dynamic, wide), down_bias, expert)
             start = end
     return out
 
@@ -205,3 +230,141 @@ def check_quantized_experts(up: object, down: object, gate_weight: object, gated
     if gate_weight is not None and gate_weight.device != up.device or down.device != up.device:
         raise ValueError(f"{where}: the stacks lie on different devices ({up.device}, {down.device})")
     return width
+
+
+def check_expert_biases(up_bias: object, down_bias: object, up: QuantizedWeights, down: QuantizedWeights,
+                        gate_weight: Optional[QuantizedWeights], where: str) -> None:
+    """Checks the experts' optional biases against their (checked) stacks: `up_bias` [E, U] laid out
+    as the values the gate rule reads (`up`'s rows; [gate | up], 2I, with `gate_weight`), `down_bias`
+    [E, O]; any floating dtype, on the CPU.
+
+    Raises:
+        TypeError: a bias is no tensor, or not floating point.
+        ValueError: a bias's shape is not the one expected (naming both).
+        NotImplementedError: a bias lies on CUDA (or another device than the CPU).
+    """
+    experts = up.experts
+    up_width = up.out_features * (1 if gate_weight is None else 2)
+    layout = "`up`'s rows" if gate_weight is None else "[gate | up], the gate rule's input"
+    for name, bias, size, width, what in (("up_bias", up_bias, "U", up_width, layout),
+                                          ("down_bias", down_bias, "O", down.out_features, "`down`'s rows")):
+        if bias is None:
+            continue
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{where}: `{name}` must be a tensor or None, got {type(bias).__name__}")
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"{where}: `{name}` must be floating point, got {bias.dtype}")
+        if tuple(bias.shape) != (experts, width):
+            raise ValueError(f"{where}: `{name}` has shape {tuple(bias.shape)}; expected [E, {size}] = "
+                             f"({experts}, {width}), laid out as {what}")
+        require_cpu(bias.device, f"{where}: `{name}`")
+
+
+# -- at decoding sizes: tutel's decode_quantized_experts operator ---------------------------------
+
+#: The token dtypes the decode operator takes.
+DECODE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+class QuantizedDecodeForm(NamedTuple):
+    """How tutel's decode_quantized_experts operator takes a set of quantized experts."""
+    format: str                # "mxfp4", "nvfp4" or "fp8_block"
+    unit: tuple                # (activation, alpha, up_offset, limit, interleaved) as the operator takes them
+    block: Tuple[int, ...]     # fp8_block's scale block (rows, cols); () for the fp4 formats
+
+
+def up_only_unit(activation: object) -> Optional[str]:
+    """The decode operator's up-only unit that `activation` is: ``"gelu"`` for F.gelu or an
+    nn.GELU() (``"gelu_tanh"`` with approximate="tanh"), ``"relu"`` for F.relu, torch.relu or an
+    nn.ReLU(); None for any other callable (only these exact functions and classes are recognised,
+    so nothing that merely looks alike is computed as something else)."""
+    if activation is F.gelu:
+        return "gelu"
+    if activation is F.relu or activation is torch.relu or type(activation) is torch.nn.ReLU:
+        return "relu"
+    if type(activation) is torch.nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(activation.approximate)
+    return None
+
+
+def _common_fp8_block(up: Fp8BlockWeights, down: Fp8BlockWeights) -> Optional[Tuple[int, int]]:
+    """One scale block that gives both stacks their own scale grids (the operator takes one block for
+    both), or None.  Along each dimension a stack with several blocks fixes the block's size; a
+    stack whose one block spans the dimension (one scale per matrix, say) fits any size as large."""
+    block = []
+    for dim in (0, 1):
+        spans = ((up.shape[1 + dim], up.block[dim]), (down.shape[1 + dim], down.block[dim]))
+        sizes = {size for extent, size in spans if extent > size}
+        if len(sizes) > 1:
+            return None
+        size = sizes.pop() if sizes else max(extent for extent, _ in spans)
+        if any(extent > size for extent, own in spans if extent <= own):
+            return None
+        block.append(size)
+    return block[0], block[1]
+
+
+def decode_form(up: QuantizedWeights, down: QuantizedWeights, gate_weight: Optional[QuantizedWeights],
+                unit: Optional[GatedUnit], gate_fn: Optional[Callable], activation: Optional[Callable],
+                activations: str) -> Optional[QuantizedDecodeForm]:
+    """The form in which the decode operator computes these (checked) experts, or None where it
+    cannot: W8A8 activations, a gate stack of its own (its codes would have to be joined to the
+    ups' on every call), up and down in different formats or fp8 blocks that no one block gives, a
+    gate_fn, or an activation up_only_unit does not recognise."""
+    if activations != WEIGHT_ONLY or gate_weight is not None or type(up) is not type(down) or \
+            min(up.shape) < 1 or min(down.shape) < 1:
+        return None
+    if unit is not None:
+        unit_arguments = ("gated",) + unit_scalars(unit) + (bool(unit.interleaved),)
+    elif gate_fn is not None:
+        return None
+    else:
+        name = up_only_unit(activation)
+        if name is None:
+            return None
+        unit_arguments = (name, 1.0, 0.0, None, False)
+    if isinstance(up, Fp8BlockWeights):
+        block = _common_fp8_block(up, down)
+        if block is None:
+            return None
+    elif isinstance(up, (Mxfp4Weights, Nvfp4Weights)):
+        block = ()
+    else:  # a format the operator does not read
+        return None
+    return QuantizedDecodeForm(up.format, unit_arguments, block)
+
+
+def _stack_tensors(stack: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(codes, scales, per-expert scales or None) of a stack as the decode operator reads them."""
+    if isinstance(stack, Fp8BlockWeights):
+        scales = stack.scale_inv
+        # E8M0 exponents as their float32 values (exact), as the operator reads fp8_block scales
+        return stack.weight, (scales.float() if scales.dtype == FLOAT8_E8M0FNU else scales), None
+    if isinstance(stack, Mxfp4Weights):
+        return stack.packed, stack.scales, None
+    return stack.packed, stack.block_scales, stack.global_scales
+
+
+def decode_quantized_products(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                              up: QuantizedWeights, down: QuantizedWeights, form: QuantizedDecodeForm,
+                              up_bias: Optional[torch.Tensor] = None,
+                              down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The routing-weighted sum of each token's experts, [T, O] in x's dtype, by one call of tutel's
+    decode_quantized_experts operator (tutel.ops.decode_quantized_experts has the formula).
+
+    For arguments the callers checked (the stacks, the routing, the biases; `form` from
+    ``decode_form``), on CPU tokens of DECODE_DTYPES: the public wrapper's checks are skipped, as
+    they would cost more Python than the rest of a decoding step (the operator checks the shapes
+    itself).  Integer ids of other dtypes than int32 / int64 are widened; the biases are taken in
+    float32, as the operator adds them."""
+    if expert_ids.dtype != torch.int64 and expert_ids.dtype != torch.int32:
+        expert_ids = expert_ids.long()
+    if up_bias is not None and up_bias.dtype != torch.float32:
+        up_bias = up_bias.float()
+    if down_bias is not None and down_bias.dtype != torch.float32:
+        down_bias = down_bias.float()
+    gate_up, gate_up_scales, gate_up_global = _stack_tensors(up)
+    down_codes, down_scales, down_global = _stack_tensors(down)
+    return torch.ops.tutel.decode_quantized_experts(
+        x, expert_ids, weights, form.format, gate_up, gate_up_scales, gate_up_global, down_codes, down_scales,
+        down_global, form.block, up_bias, down_bias, *form.unit)

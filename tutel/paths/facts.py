@@ -6,10 +6,11 @@ from typing import Dict, Optional
 import torch
 
 from ..ops.decode_experts import decode_experts_supported
+from ..ops.quantized_experts import DECODE_DTYPES
 from ..ops.tracing import _COMPILER_IS_COMPILING, direct_call_allowed, is_compiling
 from ..rules.autocast import any_autocast, autocast_dtype
-from ..rules.lines import MIN_PIECE_ROWS
-from .work import WeightExperts
+from ..rules.lines import MIN_PIECE_ROWS, QUANTIZED_DECODE_MAX_TOKENS
+from .work import QuantizedExperts, WeightExperts
 
 
 # The device fact by device type (a dict lookup: the facts are built on every call).
@@ -104,22 +105,27 @@ def experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
     }
 
 
-def quantized_experts_facts(x: torch.Tensor, expert_ids: torch.Tensor,
-                            weights: Optional[torch.Tensor]) -> Dict[str, object]:
+def quantized_experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                            experts: QuantizedExperts) -> Dict[str, object]:
     """The facts of a routed quantized experts call (tutel.paths.work.QuantizedExperts): their
-    stacks are no matrices in the tokens' dtype, so neither the one-call operator nor the decode
-    kernels take them (``gated_experts`` and ``decode_kernel`` do not hold), and they record no
-    gradient of their own."""
+    stacks are no matrices in the tokens' dtype, so neither the one-call operator nor the CUDA
+    decode kernels take them (``gated_experts`` and ``decode_kernel`` do not hold), and they record
+    no gradient of their own (their biases are refused with the tokens where autograd would record
+    them).  ``quantized_decode``: CPU tokens of the decode operator's dtypes, up to its line, and
+    experts it computes (asked last: their form is worked out on the first question)."""
     device = _DEVICE_KINDS.get(x.device.type, "other")
     cublas_dtype = x.dtype in _CUBLAS_DTYPES
     traced = _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
     return {
         "device": device,
-        "gradient": torch.is_grad_enabled() and (x.requires_grad or (weights is not None and weights.requires_grad)),
+        "gradient": torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weights, experts.up_bias, experts.down_bias)),
         "traced": traced,
         "capturing": device == "cuda" and cublas_dtype and not traced and stream_capturing(),
         "cublas_dtype": cublas_dtype,
         "gated_experts": False,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
         "decode_kernel": False,
+        "quantized_decode": device == "cpu" and x.shape[0] <= QUANTIZED_DECODE_MAX_TOKENS and
+        x.dtype in DECODE_DTYPES and experts.decode_form() is not None,
     }

@@ -8,7 +8,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 from ..rules.paths import Path
 from . import (experts_decode, experts_grouped, experts_module, experts_one_call, experts_per_expert,
-               experts_pieces, finalize, prepare)
+               experts_pieces, experts_quantized_decode, finalize, prepare)
 from .work import Work
 
 Stage = Callable[[Work], None]
@@ -45,6 +45,7 @@ STAGES: Dict[Path, PathStages] = {
     Path.GROUPED: PathStages(CRIT, prepare.occupied, experts_module.module_on_occupied_rows, finalize.slots_combine),
     Path.PADDED: PathStages(CRIT, prepare.slots, experts_module.module_on_slots, finalize.slots_combine),
     Path.EXPERTS_ONE_CALL: PathStages(GIVEN, None, experts_one_call.one_call, None),
+    Path.EXPERTS_QUANTIZED_DECODE: PathStages(GIVEN, None, experts_quantized_decode.quantized_decode, None),
     Path.EXPERTS_PIECES: PathStages(GIVEN, prepare.sorted_plan, experts_pieces.products_in_pieces, None),
     Path.EXPERTS_DECODE: PathStages(GIVEN, None, experts_decode.decode_kernel, None),
     Path.EXPERTS_PER_EXPERT: PathStages(GIVEN, prepare.sorted_rows, experts_per_expert.products_per_expert,

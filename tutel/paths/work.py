@@ -8,8 +8,13 @@ import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, apply_gated_unit
 from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm, grouped_rows_mm_eager
-from ..ops.quantized_experts import WEIGHT_ONLY, quantized_expert_products
+from ..ops.quantized_experts import (WEIGHT_ONLY, QuantizedDecodeForm, decode_form, decode_quantized_products,
+                                     quantized_expert_products)
 from ..ops.tracing import eager_without_grad
+
+
+# QuantizedExperts' decode form before anyone asked for it (None means the operator cannot take them).
+_NOT_ASKED = object()
 
 
 class GatedWeights(NamedTuple):
@@ -88,20 +93,36 @@ class WeightExperts:
 
 
 class QuantizedExperts:
-    """routed_quantized_experts' experts: tutel.quant stacks and the rule between the two products.
-    They offer ``grouped_products`` as WeightExperts do, so they run on the experts entry's stages
-    (the chooser gives them no fused operator: ``gated_experts`` and ``decode_kernel`` do not hold);
-    called as ``experts(rows, plan)`` they map [n, H] rows grouped as `plan` says to their [n, O]
-    outputs (tutel.ops.quantized_experts, one expert's matrices dequantized at a time)."""
-    __slots__ = ("up", "down", "gate_weight", "unit", "gate_fn", "activation", "activations", "num_experts")
+    """routed_quantized_experts' experts: tutel.quant stacks, their optional biases and the rule
+    between the two products.  They offer ``grouped_products`` as WeightExperts do, so they run on
+    the experts entry's stages (the one-call operator and the CUDA decode kernels do not take them:
+    ``gated_experts`` and ``decode_kernel`` do not hold); called as ``experts(rows, plan)`` they map
+    [n, H] rows grouped as `plan` says to their [n, O] outputs (tutel.ops.quantized_experts, one
+    expert's matrices dequantized at a time).  At decoding sizes ``decode(x, expert_ids, weights)``
+    runs them in one call of tutel's decode_quantized_experts operator, where ``decode_form()``
+    is not None (the ``quantized_decode`` fact)."""
+    __slots__ = ("up", "down", "gate_weight", "unit", "gate_fn", "activation", "activations", "num_experts",
+                 "up_bias", "down_bias", "_decode_form")
 
     def __init__(self, up, down, gate_weight=None, unit: Optional[GatedUnit] = None,
                  gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 activations: str = WEIGHT_ONLY):
+                 activations: str = WEIGHT_ONLY, up_bias: Optional[torch.Tensor] = None,
+                 down_bias: Optional[torch.Tensor] = None):
         self.up, self.down, self.gate_weight = up, down, gate_weight  # tutel.quant stacks (gate_weight or None)
         self.unit, self.gate_fn, self.activation, self.activations = unit, gate_fn, activation, activations
+        self.up_bias, self.down_bias = up_bias, down_bias  # [E, U] ([gate | up] with gate_weight), [E, O], or None
         self.num_experts = up.experts
+        self._decode_form = _NOT_ASKED
+
+    def decode_form(self) -> Optional[QuantizedDecodeForm]:
+        """How the decode operator takes these experts, or None where it cannot (found on the first
+        question, then kept: the experts do not change)."""
+        form = self._decode_form
+        if form is _NOT_ASKED:
+            form = self._decode_form = decode_form(self.up, self.down, self.gate_weight, self.unit, self.gate_fn,
+                                                   self.activation, self.activations)
+        return form
 
     def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
@@ -114,7 +135,14 @@ class QuantizedExperts:
         dequantize each expert's matrices themselves)."""
         return quantized_expert_products(rows, plan.offsets, self.up, self.down, gate_weight=self.gate_weight,
                                          unit=self.unit, gate_fn=self.gate_fn, activation=self.activation,
-                                         activations=self.activations)
+                                         activations=self.activations, up_bias=self.up_bias,
+                                         down_bias=self.down_bias)
+
+    def decode(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """The [T, O] weighted sum of the tokens' experts by the decode operator (decode_form() must
+        not be None; x on the CPU, of tutel.ops.quantized_experts.DECODE_DTYPES)."""
+        return decode_quantized_products(x, expert_ids, weights, self.up, self.down, self.decode_form(),
+                                         self.up_bias, self.down_bias)
 
 
 class ModuleExperts:

@@ -70,6 +70,13 @@ LINES: Tuple[SizeLine, ...] = (
         "block scans the choices before its own to find its expert's, so that bookkeeping grows with the "
         "square of the choices and a larger call takes the grouped path.",
         "benchmarks/decode_line.py", "Routed experts on CUDA"),
+    SizeLine(
+        "QUANTIZED_DECODE_MAX_TOKENS", 32, "tokens",
+        "Up to and including this many tokens, CPU inference of quantized experts (weight-only, a unit the "
+        "operator computes) takes decode_quantized_experts, which streams each chosen expert's packed codes once "
+        "(the sizes it is made and tested for); more tokens take the kept rows in pieces, each busy expert's "
+        "matrices dequantized once for all its rows.",
+        "benchmarks/quantized_experts.py", "Quantized experts at decoding sizes on the CPU"),
 )
 
 _BY_NAME: Dict[str, SizeLine] = {line.name: line for line in LINES}
@@ -90,6 +97,7 @@ PIECE_BYTES = size_line("PIECE_BYTES").value
 MIN_PIECE_ROWS = size_line("MIN_PIECE_ROWS").value
 DECODE_MAX_TOKENS = size_line("DECODE_MAX_TOKENS").value
 DECODE_MAX_CHOICES = size_line("DECODE_MAX_CHOICES").value
+QUANTIZED_DECODE_MAX_TOKENS = size_line("QUANTIZED_DECODE_MAX_TOKENS").value
 
 
 def heading_anchor(heading: str) -> str:

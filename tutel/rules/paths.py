@@ -34,6 +34,7 @@ class Path(str, Enum):
     GROUPED = "grouped"                      # [N, M] grouped rows through autograd (megablocks)
     PADDED = "padded"                        # Tutel's [E, C, M] buffer through the experts module
     EXPERTS_ONE_CALL = "experts_one_call"    # routed_gated_experts (C++), one operator call
+    EXPERTS_QUANTIZED_DECODE = "experts_quantized_decode"  # decode_quantized_experts (C++), one operator call
     EXPERTS_PIECES = "experts_pieces"        # grouped rows in pieces, the operators called directly
     EXPERTS_DECODE = "experts_decode"        # decode_experts (CUDA kernels), one operator call
     EXPERTS_PER_EXPERT = "experts_per_expert"  # grouped rows, the ends read on the host, a product per expert
@@ -69,6 +70,9 @@ FACTS: Dict[str, str] = {
     "decode_kernel": "tutel's decode_experts kernels take the call: CUDA, up to 32 tokens and 256 choices, "
                      "within the line measured for the GPU and dtype (tutel.ops.decode_experts."
                      "decode_experts_supported)",
+    "quantized_decode": "tutel's decode_quantized_experts operator takes the quantized experts' call: weight-only, "
+                        "a GatedUnit or an up-only gelu / relu it recognises, no gate stack of their own, float32 / "
+                        "bfloat16 / float16 tokens, up to 32 of them (tutel.rules.lines.QUANTIZED_DECODE_MAX_TOKENS)",
 }
 
 
@@ -131,6 +135,9 @@ RULES: Tuple[Rule, ...] = (
     _rule(LAYER, Path.PADDED, "Tutel's [E, C, M] expert buffer (any experts module)"),
     _rule(EXPERTS, Path.EXPERTS_ONE_CALL, "CPU inference of gated experts at decoding sizes: one operator call",
           **_CPU_INFERENCE, gated_experts=True, rows_fit_one_call=True),
+    _rule(EXPERTS, Path.EXPERTS_QUANTIZED_DECODE, "CPU inference of quantized experts at decoding sizes: each "
+          "chosen expert's packed codes read once and decoded as they are read, in one operator call",
+          **_CPU_INFERENCE, quantized_decode=True),
     _rule(EXPERTS, Path.EXPERTS_PIECES, "CPU inference: the kept rows in bounded pieces, the operators called "
           "directly", **_CPU_INFERENCE),
     _rule(EXPERTS, Path.EXPERTS_DECODE, "CUDA inference of gated experts at decoding sizes: each chosen expert's "
