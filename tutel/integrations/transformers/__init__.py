@@ -23,6 +23,10 @@ transformers' FP8 experts (``FP8Experts``, fine-grained FP8 checkpoints such as 
 which transformers dispatches through a registry of their own, run through "tutel" on the CPU
 (``fp8_experts``; CUDA: tutel issue 45).
 
+gpt-oss' MXFP4 experts, which transformers dequantizes at load on a CPU and runs outside the
+registries on a GPU (``Mxfp4GptOssExperts``), keep their packed bytes with
+``use_mxfp4_experts(model, expert_tensors)`` (``gpt_oss_mxfp4``; the CPU, CUDA: tutel issue 45).
+
 Supported: transformers 5.7.0 (the first release whose ``experts_implementation`` accepts a
 registered implementation) and later 5.x releases, tested against 5.7.0 and the newest; an older
 release raises ``UnsupportedTransformersVersion`` (an ImportError) at this import.
@@ -33,6 +37,7 @@ check_supported()
 
 from .forward import tutel_experts_forward  # noqa: E402  (after the version check)
 from .fp8_experts import Fp8ExpertsLayout, read_fp8_layout, tutel_fp8_experts_forward  # noqa: E402
+from .gpt_oss_mxfp4 import TutelGptOssMxfp4Experts, use_mxfp4_experts  # noqa: E402
 from .layout import ExpertsLayout, UnsupportedExpertsLayout, read_layout  # noqa: E402
 from .registration import (NAME, NoExpertsModule, check_model, enable, experts_modules,  # noqa: E402
                            experts_registries, register)
@@ -42,5 +47,5 @@ register()
 
 __all__ = ["NAME", "ExpertsLayout", "Fp8ExpertsLayout", "NoExpertsModule", "UnsupportedExpertsLayout",
            "UnsupportedTransformersVersion", "check_model", "enable", "experts_modules", "experts_registries",
-           "read_fp8_layout", "read_layout", "register", "replace_moe_blocks", "tutel_experts_forward",
-           "tutel_fp8_experts_forward"]
+           "read_fp8_layout", "read_layout", "register", "replace_moe_blocks", "TutelGptOssMxfp4Experts",
+           "tutel_experts_forward", "tutel_fp8_experts_forward", "use_mxfp4_experts"]
