@@ -64,6 +64,23 @@ void portable_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows
   }
 }
 
+}  // namespace
+
+void decode_row_values(const QuantizedMatrix& m, int64_t expert, int64_t row, int64_t k0, int64_t len, float* w) {
+  const int64_t width = block_width(m), end = k0 + len;
+  for (int64_t k = k0; k < end;) {
+    const int64_t block = k / width, stop = std::min(end, (block + 1) * width);
+    decode_block(m, expert, row, block, k, stop - k, w + (k - k0));
+    k = stop;
+  }
+  if (m.format == QuantFormat::kNvfp4) {
+    const float global = m.global_scale(expert);
+    for (int64_t i = 0; i < len; ++i) w[i] *= global;
+  }
+}
+
+namespace {
+
 // ---- the call's plan --------------------------------------------------------------------------
 
 // The kept choices sorted by expert (stably: token-major within an expert), and each active

@@ -99,6 +99,11 @@ const QuantKernels* avx512_quant_kernels();
 // The widest kernels this CPU runs.
 const QuantKernels& best_quant_kernels();
 
+// Elements [k0, k0 + len) of row `row` of expert `expert`'s matrix, each W's value as the format
+// defines it (nvfp4's global scale included, in float32), into w: the portable kernels' decoding,
+// plain loops over the byte tables.
+void decode_row_values(const QuantizedMatrix& m, int64_t expert, int64_t row, int64_t k0, int64_t len, float* w);
+
 // The unit between the two products.
 enum class ExpertActivation : int {
   kGated = 0,     // gate and up rows: GatedUnit's (SwiGLU, gpt-oss' clamped unit)

@@ -1,13 +1,6 @@
 // AVX-512 kernels of decode_quantized_experts (quantized_decode.h): the AVX2 kernels' work
 // (quantized_decode_avx2.cpp) on sixteen lanes, with the decoding that the wider instruction set
-// makes cheaper, up to eight vectors at a time.
-//
-//   E2M1: 16 bytes (32 codes) widened to one byte per 32-bit lane; the low and the high nibbles
-//     index a 16-entry table of the signed values (scaled by the block's scale) with one permute
-//     each, giving the even and the odd elements, which two two-source permutes put back in order.
-//     The sign needs no work of its own: the table holds all sixteen codes.
-//   E4M3: 32 bytes rebuilt as float16 bits (with fewer steps than the AVX2 kernel's, thanks to
-//     16-bit arithmetic shifts and compare masks), converted 16 at a time.
+// makes cheaper (quant_codes_avx512.h), up to eight vectors at a time.
 //
 // The ends of fp8_block's blocks are read with masked loads, codes and vectors alike.
 //
@@ -20,54 +13,25 @@
 #include <cstring>
 
 #include "avx2_lanes.h"
+#include "quant_codes_avx512.h"
 #include "quantized_decode.h"
 
 namespace tutel {
 namespace core {
 
 #ifdef TUTEL_HAVE_AVX2_KERNELS
-#define TUTEL_AVX512_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 namespace {
+
+using avx512_codes::e2m1_32;
+using avx512_codes::e2m1_table;
+using avx512_codes::e4m3_32;
 
 // Independent sums per (row, vector) pair: two when one pair alone would chain every FMA.
 constexpr int sums_per_pair(int pairs) { return pairs >= 2 ? 1 : 2; }
 
 inline void prefetch_codes(const uint8_t* p, int64_t ahead) {
   if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
-}
-
-// The 16 E2M1 values in code order.
-TUTEL_AVX512_QUANT inline __m512 e2m1_table() {
-  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
-                        -4.0f, -6.0f);
-}
-
-// The 32 values of the codes in 16 bytes at p, in element order (w[0]: elements 0..15).
-TUTEL_AVX512_QUANT inline void e2m1_32(const uint8_t* p, __m512 table, __m512 (&w)[2]) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table);
-  const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-  // Lane 2m takes even[m], lane 2m + 1 odd[m] (index bit 4 picks the second source).
-  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  w[0] = _mm512_permutex2var_ps(even, first, odd);
-  w[1] = _mm512_permutex2var_ps(even, second, odd);
-}
-
-// `count` (up to 32) E4M3 bytes as floats times 2^-8 (w[0]: elements 0..15; past `count` 0): each
-// byte in the high half of a 16-bit lane, shifted right by one with its sign repeated, and bit 14
-// cleared, is the float16 with the sign, exponent and mantissa bits in their places; NaN codes
-// become a float16 NaN.
-TUTEL_AVX512_QUANT inline void e4m3_32(const uint8_t* p, int count, __m512 (&w)[2]) {
-  const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
-  const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kept, p)), 8);
-  const __m512i half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xbf80)));
-  const __m512i all_ones = _mm512_set1_epi16(0x3f80);
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(half, all_ones), all_ones);
-  const __m512i bits = _mm512_mask_mov_epi16(half, nan, _mm512_set1_epi16(0x7e00));
-  w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
-  w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
 }
 
 template <int R, int V>

@@ -20,99 +20,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "avx512_lanes.h"
-
-#define TUTEL_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-bf16")))
+#include "amx_tiles.h"
 
 namespace tutel {
 namespace gemm {
 
 using core::max_parallelism;
 using core::parallel_for;
+using namespace amx_tiles;
 namespace {
 
-// Every tile is 16 rows of 64 bytes: A holds 16 rows x 32 inner values, B 16 interleaved pairs of
-// inner values x 16 columns, C 16 x 16 float sums.
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kInnerStep = 32;  // inner values per tile product
-constexpr int64_t kTileBytes = 64;
-
-// One tile of packed values: 16 rows of 64 bytes (token rows or matrix columns, laid out as the
-// tile products read them).
-struct alignas(64) PackedTile {
-  uint32_t pairs[kTileRows * kTileRows];
-};
-
-// The layout _tile_loadconfig reads (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-1: A, 2-3: B, 4-7: C (sums, C[i][j] = A_i B_j in tile 4 + 2 i + j).
-// The configuration is per thread and other code (oneDNN) loads its own, so each parallel chunk
-// loads it and releases the tiles when done.
-TUTEL_AMX void load_tile_config() {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.bytes_per_row[i] = kTileBytes;
-    config.rows[i] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
-
-// Transposes a 16 x 16 block of 32-bit lanes held as 16 rows.
-TUTEL_AMX inline void transpose_16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4 j + m]'s 128-bit lane L: column 4 L + m of rows 4 j .. 4 j + 3.
-  for (int j = 0; j < 4; ++j) {
-    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
-    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
-    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
-    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i even_lo = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);  // lanes 0, 2 of each
-    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
-    const __m512i odd_lo = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);  // lanes 1, 3 of each
-    const __m512i odd_hi = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
-    r[m] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
-    r[8 + m] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xdd);
-    r[4 + m] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xdd);
-  }
-}
-
-// 32 inner values of a row from `k`, zero past `inner`.
-TUTEL_AMX inline __m512i load_step(const bfloat16* row, int64_t k, int64_t inner) {
-  const int64_t n = inner - k;
-  if (n >= kInnerStep) return _mm512_loadu_si512(row + k);
-  return _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << n) - 1u), row + k);
-}
-
-// Steps of 32 inner values per tile product.
-inline int64_t inner_steps(int64_t inner) { return (inner + kInnerStep - 1) / kInnerStep; }
-
-// `count` <= 16 rows from `first_row`, `stride` values apart, one tile per step of 32 inner values
-// at out[s * out_stride], rows past `count` and values past `inner` zero: as they are (A tiles), or
-// `transposed` (B tiles: the 16 x 16 blocks of value pairs transposed).
-TUTEL_AMX void pack_tile_rows(const bfloat16* first_row, int64_t stride, int64_t count, int64_t inner,
-                              bool transposed, PackedTile* out, int64_t out_stride) {
-  for (int64_t s = 0; s < inner_steps(inner); ++s) {
-    __m512i r[16];
-    for (int64_t i = 0; i < kTileRows; ++i)
-      r[i] = i < count ? load_step(first_row + i * stride, s * kInnerStep, inner) : _mm512_setzero_si512();
-    if (transposed) transpose_16x16(r);
-    for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[s * out_stride].pairs + i * kTileRows, r[i]);
-  }
-}
 
 // Token rows [16 b, 16 b + 16) of `p`, one tile per step, rows past p.rows zero (pack_tile_rows):
 // transposed as B tiles, or as they are as A tiles.
@@ -183,54 +100,6 @@ struct MatrixRowsTimesPackedRows {
   }
 };
 
-// Where a block's C tiles start and end: C[i][j] at c[i][j], rows `stride_bytes` apart, starting
-// from the sums there when `carried`, else from zero.
-struct BlockSums {
-  float* c[2][2];
-  int64_t stride_bytes;
-  bool carried;
-};
-
-// C[i][j] += sum over steps [0, steps) of A_i B_j, for i < NA, j < NB: the one tile loop of both
-// layouts, whose Operands say where step s's tiles are (a(i, s, stride) and b_tile(j, s, stride)).
-template <int NA, int NB, class Operands>
-TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSums& sums) {
-  const int64_t stride = sums.stride_bytes;
-  if (sums.carried) {
-    _tile_loadd(4, sums.c[0][0], stride);
-    if (NB > 1) _tile_loadd(5, sums.c[0][1], stride);
-    if (NA > 1) _tile_loadd(6, sums.c[1][0], stride);
-    if (NA > 1 && NB > 1) _tile_loadd(7, sums.c[1][1], stride);
-  } else {
-    _tile_zero(4);
-    if (NB > 1) _tile_zero(5);
-    if (NA > 1) _tile_zero(6);
-    if (NA > 1 && NB > 1) _tile_zero(7);
-  }
-  for (int64_t s = 0; s < steps; ++s) {
-    int64_t stride0 = 0, stride1 = 0, stride2 = 0, stride3 = 0;
-    _tile_loadd(0, operands.a(0, s, stride0), stride0);
-    if (NA > 1) _tile_loadd(1, operands.a(1, s, stride1), stride1);
-    _tile_loadd(2, operands.b_tile(0, s, stride2), stride2);
-    if (NB > 1) _tile_loadd(3, operands.b_tile(1, s, stride3), stride3);
-    _tile_dpbf16ps(4, 0, 2);
-    if (NB > 1) _tile_dpbf16ps(5, 0, 3);
-    if (NA > 1) _tile_dpbf16ps(6, 1, 2);
-    if (NA > 1 && NB > 1) _tile_dpbf16ps(7, 1, 3);
-  }
-  _tile_stored(4, sums.c[0][0], stride);
-  if (NB > 1) _tile_stored(5, sums.c[0][1], stride);
-  if (NA > 1) _tile_stored(6, sums.c[1][0], stride);
-  if (NA > 1 && NB > 1) _tile_stored(7, sums.c[1][1], stride);
-}
-
-template <class Operands>
-TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, const BlockSums& sums) {
-  if (two_a && two_b) tile_block<2, 2>(operands, steps, sums);
-  else if (two_a) tile_block<2, 1>(operands, steps, sums);
-  else if (two_b) tile_block<1, 2>(operands, steps, sums);
-  else tile_block<1, 1>(operands, steps, sums);
-}
 
 // The bias of outputs [o, o + n), n <= 16, as floats (zero without a bias).
 TUTEL_AMX inline __m512 load_bias(const bfloat16* bias, int64_t o, int64_t n) {
@@ -238,16 +107,6 @@ TUTEL_AMX inline __m512 load_bias(const bfloat16* bias, int64_t o, int64_t n) {
   return avx512::widen_bf16(_mm256_maskz_loadu_epi16(__mmask16((uint32_t(1) << n) - 1u), bias + o));
 }
 
-// Stores the first n <= 16 lanes of `sums` to y, rounded as Scalar<bfloat16>::store rounds.
-TUTEL_AMX inline void store_outputs(bfloat16* y, __m512 sums, int64_t n) {
-  if (n == kTileRows) {
-    avx512::store16(y, sums);
-    return;
-  }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sums);
-  for (int64_t j = 0; j < n; ++j) y[j] = Scalar<bfloat16>::store(lanes[j]);
-}
 
 // Writes one 16 x 16 block of `sums` (matrix rows [o, o + 16) from row `a` of it, token rows
 // [t, t + 16) from column `c`) to y, transposed, plus bias: outputs [o, o_end), token rows below
@@ -299,27 +158,6 @@ TUTEL_AMX void pack_matrix_pairs(const SkinnyProduct<bfloat16>& p, int64_t o, in
   }
 }
 
-// The operands of one block for [O, K] matrices packed by pack_matrix_pairs: A = the token rows of
-// blocks b + i (packed as they are), B = the matrix tiles t + j.
-struct PackedRowsTimesPackedMatrix {
-  const PackedTile* rows;
-  const PackedTile* matrix;
-  int64_t steps, b, tiles, t;
-
-  const void* a(int i, int64_t s, int64_t& stride_bytes) const {
-    stride_bytes = kTileBytes;
-    return rows[(b + i) * steps + s].pairs;
-  }
-  const void* b_tile(int j, int64_t s, int64_t& stride_bytes) const {
-    stride_bytes = kTileBytes;
-    return matrix[tiles * s + t + j].pairs;
-  }
-};
-
-// Token rows are taken this many blocks of 16 at a time (256 rows, 512 KiB of packed tiles at
-// 1024 inner values), so that they stay in the core's second-level cache while each 32 outputs of
-// an item pass over them.
-constexpr int64_t kPackedSpanBlocks = 16;
 
 // [O, K] matrices of many token rows: outputs [o_begin, o_end) of product p, whose token rows are
 // packed as A tiles in `rows`; `matrix` holds steps x (o_end - o_begin) / 16 tiles of scratch.

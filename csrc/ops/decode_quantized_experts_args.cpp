@@ -4,20 +4,13 @@
 #include <limits>
 
 #include "checks.h"
+#include "quantized_stack_args.h"
 
 namespace tutel {
 namespace ops {
 namespace {
 
 constexpr const char* kOp = "decode_quantized_experts";
-
-core::QuantFormat format_of(const std::string& name) {
-  if (name == "mxfp4") return core::QuantFormat::kMxfp4;
-  if (name == "nvfp4") return core::QuantFormat::kNvfp4;
-  TORCH_CHECK_VALUE(name == "fp8_block", "tutel::", kOp, ": `format` '", name,
-                    "' is not a weight format; allowed: 'mxfp4', 'nvfp4', 'fp8_block'");
-  return core::QuantFormat::kFp8Block;
-}
 
 core::ExpertActivation activation_of(const std::string& name) {
   if (name == "gated") return core::ExpertActivation::kGated;
@@ -26,84 +19,6 @@ core::ExpertActivation activation_of(const std::string& name) {
   TORCH_CHECK_VALUE(name == "relu", "tutel::", kOp, ": `activation` '", name,
                     "' is not a unit; allowed: 'gated', 'gelu', 'gelu_tanh', 'relu'");
   return core::ExpertActivation::kRelu;
-}
-
-const char* format_name(core::QuantFormat format) {
-  switch (format) {
-    case core::QuantFormat::kMxfp4: return "mxfp4";
-    case core::QuantFormat::kNvfp4: return "nvfp4";
-    case core::QuantFormat::kFp8Block: return "fp8_block";
-  }
-  return "?";
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// One stack [E, N, K] of the format, K taken from the codes; `name` and `scales_name` name the
-// arguments in errors.
-QuantizedStackArgs checked_stack(core::QuantFormat format, const at::Tensor& codes, const at::Tensor& scales,
-                                 const c10::optional<at::Tensor>& global, int64_t block_rows, int64_t block_cols,
-                                 const at::Tensor& x, const char* name, const char* scales_name,
-                                 const char* global_name) {
-  QuantizedStackArgs s;
-  check_dim(codes, 3, kOp, name);
-  check_same_device(x, codes, kOp, name);
-  const bool fp4 = format != core::QuantFormat::kFp8Block;
-  if (fp4) {
-    TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "tutel::", kOp, ": `", name, "` must hold ",
-                     format_name(format), " codes as uint8 (two a byte), got ", codes.scalar_type());
-  } else {
-    TORCH_CHECK_TYPE(codes.scalar_type() == at::kFloat8_e4m3fn, "tutel::", kOp, ": `", name,
-                     "` must be float8_e4m3fn for fp8_block, got ", codes.scalar_type());
-  }
-  s.codes = codes.contiguous();
-  s.rows = codes.size(1);
-  s.cols = fp4 ? 2 * codes.size(2) : codes.size(2);
-  check_dim(scales, 3, kOp, scales_name);
-  check_same_device(x, scales, kOp, scales_name);
-  int64_t scale_rows = s.rows, scale_cols = 0;
-  if (format == core::QuantFormat::kMxfp4) {
-    TORCH_CHECK_VALUE(s.cols % core::kMxfp4Block == 0, "tutel::", kOp, ": `", name, "` ", codes.sizes(),
-                      " holds rows of ", s.cols, " elements; mxfp4 needs a multiple of 32");
-    TORCH_CHECK_TYPE(scales.scalar_type() == at::kByte, "tutel::", kOp, ": `", scales_name,
-                     "` must hold E8M0 scales as uint8, got ", scales.scalar_type());
-    scale_cols = s.cols / core::kMxfp4Block;
-  } else if (format == core::QuantFormat::kNvfp4) {
-    TORCH_CHECK_VALUE(s.cols % core::kNvfp4Block == 0, "tutel::", kOp, ": `", name, "` ", codes.sizes(),
-                      " holds rows of ", s.cols, " elements; nvfp4 needs a multiple of 16");
-    TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat8_e4m3fn, "tutel::", kOp, ": `", scales_name,
-                     "` must be float8_e4m3fn for nvfp4, got ", scales.scalar_type());
-    scale_cols = s.cols / core::kNvfp4Block;
-  } else {
-    const auto dtype = scales.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "tutel::", kOp, ": `",
-                     scales_name, "` must be float32, bfloat16 or float16 for fp8_block, got ", dtype);
-    scale_rows = ceil_div(s.rows, block_rows);
-    scale_cols = ceil_div(s.cols, block_cols);
-  }
-  TORCH_CHECK_VALUE(scales.size(0) == codes.size(0) && scales.size(1) == scale_rows && scales.size(2) == scale_cols,
-                    "tutel::", kOp, ": `", scales_name, "` must be [", codes.size(0), ", ", scale_rows, ", ",
-                    scale_cols, "] for `", name, "` ", codes.sizes(), " in ", format_name(format), ", got ",
-                    scales.sizes());
-  if (format == core::QuantFormat::kFp8Block) {
-    s.scales = scales.to(at::kFloat).contiguous();
-  } else {
-    // E4M3 scales are read as their bytes.
-    s.scales = scales.scalar_type() == at::kByte ? scales.contiguous() : scales.contiguous().view(at::kByte);
-  }
-  if (format == core::QuantFormat::kNvfp4) {
-    TORCH_CHECK_VALUE(global.has_value(), "tutel::", kOp, ": nvfp4 needs `", global_name,
-                      "`, each expert's float32 scale [E]");
-    check_dtype(*global, at::kFloat, kOp, global_name);
-    TORCH_CHECK_VALUE(global->dim() == 1 && global->size(0) == codes.size(0), "tutel::", kOp, ": `", global_name,
-                      "` must be [", codes.size(0), "], got ", global->sizes());
-    check_same_device(x, *global, kOp, global_name);
-    s.global = global->contiguous();
-  } else {
-    TORCH_CHECK_VALUE(!global.has_value(), "tutel::", kOp, ": `", global_name, "` is nvfp4's; ",
-                      format_name(format), " takes none");
-  }
-  return s;
 }
 
 at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t width, const at::Tensor& x,
@@ -126,7 +41,7 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
     const c10::optional<at::Tensor>& down_bias, const std::string& activation, double alpha, double up_offset,
     c10::optional<double> limit, bool interleaved) {
   DecodeQuantizedExpertsArgs a;
-  a.format = format_of(format);
+  a.format = quant_format_of(format, kOp);
   a.unit.activation = activation_of(activation);
   check_dim(x, 2, kOp, "x");
   const auto dtype = x.scalar_type();
@@ -145,10 +60,10 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
     TORCH_CHECK_VALUE(block.empty(), "tutel::", kOp, ": `block` is fp8_block's; ", format, " has its own (got ",
                       block, ")");
   }
-  a.gate_up = checked_stack(a.format, gate_up, gate_up_scales, gate_up_global, a.block_rows, a.block_cols, x,
-                            "gate_up", "gate_up_scales", "gate_up_global");
-  a.down = checked_stack(a.format, down, down_scales, down_global, a.block_rows, a.block_cols, x, "down",
-                         "down_scales", "down_global");
+  a.gate_up = checked_quantized_stack(a.format, gate_up, gate_up_scales, gate_up_global, a.block_rows, a.block_cols,
+                                      x, kOp, {"gate_up", "gate_up_scales", "gate_up_global"});
+  a.down = checked_quantized_stack(a.format, down, down_scales, down_global, a.block_rows, a.block_cols, x, kOp,
+                                   {"down", "down_scales", "down_global"});
   a.tokens = x.size(0);
   a.k = expert_ids.size(1);
   a.hidden = x.size(1);

@@ -10,16 +10,10 @@
 #include <vector>
 
 #include "../core/quantized_decode.h"
+#include "quantized_stack_args.h"
 
 namespace tutel {
 namespace ops {
-
-struct QuantizedStackArgs {
-  at::Tensor codes;   // uint8 [E, N, K / 2] (fp4) or float8_e4m3fn [E, N, K] (fp8_block), contiguous
-  at::Tensor scales;  // uint8 / float8_e4m3fn [E, N, K / block] (fp4), float32 blocks (fp8_block), contiguous
-  at::Tensor global;  // nvfp4: float32 [E], else undefined
-  int64_t rows = 0, cols = 0;
-};
 
 struct DecodeQuantizedExpertsArgs {
   core::QuantFormat format = core::QuantFormat::kMxfp4;

@@ -9,6 +9,7 @@ void register_cpu_gemm_functions(pybind11::module_& m);  // ops/cpu/cpu_gemm_swi
 void register_routed_experts_function(pybind11::module_& m);  // ops/cpu/routed_experts_cpu.cpp
 void register_routing_function(pybind11::module_& m);          // ops/cpu/routing_cpu.cpp
 void register_quantized_decode_functions(pybind11::module_& m);  // ops/cpu/decode_quantized_experts_cpu.cpp
+void register_quantized_linear_functions(pybind11::module_& m);  // ops/cpu/quantized_grouped_linear_cpu.cpp
 }  // namespace ops
 }  // namespace tutel
 
@@ -29,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   tutel::ops::register_routed_experts_function(m);
   tutel::ops::register_routing_function(m);
   tutel::ops::register_quantized_decode_functions(m);
+  tutel::ops::register_quantized_linear_functions(m);
 #ifdef TUTEL_WITH_CUDA
   m.attr("with_cuda") = true;
   tutel::ops::cuda_ops::register_python_functions(m);

@@ -107,6 +107,16 @@ TORCH_LIBRARY(tutel, m) {
       "Tensor gate_up_scales, Tensor? gate_up_global, Tensor down, Tensor down_scales, Tensor? down_global, "
       "int[] block, Tensor? gate_up_bias, Tensor? down_bias, str activation, float alpha, float up_offset, "
       "float? limit, bool interleaved) -> Tensor");
+  // Rows grouped by expert times a quantized stack: out[r] = rows[r] @ W[e]^T + bias[e] for the rows
+  // r of expert e (ends [E] int32 / int64, the non-decreasing end of each expert's rows, the last
+  // <= n; rows past it give zeros), W [E, N, K] in `format` as decode_quantized_experts' stacks
+  // (codes, scales, global_scale for nvfp4 only, block for fp8_block only).  rows float32 /
+  // bfloat16 / float16 [n, K]; bias [E, N] any floating dtype, taken as float32; returns [n, N] in
+  // rows' dtype.  Sums in float32; W decoded a strip at a time, never whole (bfloat16 rows on AMX:
+  // rounded to bfloat16).  CPU only.
+  m.def(
+      "quantized_grouped_linear(Tensor rows, Tensor ends, str format, Tensor codes, Tensor scales, "
+      "Tensor? global_scale, int[] block, Tensor? bias) -> Tensor");
   // Rows grouped by expert: rows [N, C] whose rows offsets[e - 1] .. offsets[e] - 1 belong to expert e
   // (offsets [E] int32, the non-decreasing end of each expert's rows, offsets[E - 1] <= N; the rows
   // past it belong to no expert).  In place, rows[i] += bias[e(i)] (bias [E, C] in rows' dtype) in

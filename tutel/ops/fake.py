@@ -138,6 +138,12 @@ def _decode_quantized_experts(x, expert_ids, weights, format, gate_up, gate_up_s
     return x.new_empty((x.shape[0], down.shape[1]))
 
 
+# quantized_grouped_linear: [n, N] in rows' dtype, N the stack's rows.
+@register_fake("tutel::quantized_grouped_linear")
+def _quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias):
+    return rows.new_empty((rows.shape[0], codes.shape[1]))
+
+
 @register_fake("tutel::route_experts")
 def _route_experts(logits, k, score_function, softmax_after_topk, selection_bias, n_group, topk_group, renormalize,
                    routed_scaling_factor, batch_prioritized, capacity, with_loss):

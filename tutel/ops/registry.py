@@ -16,8 +16,8 @@ csrc/ops/cuda/<group>_cuda.cpp), with the argument checks both devices share in
 csrc/ops/<group>_args.cpp (or the common op_args.cpp) and the kernels in kernels/<group>.cu
 (except routing's routing_topk.cu and slot_assignment.cu, and grouped_rows_linear's
 grouped_rows_gemm.cu).  A group is one operator with its backward where that is all
-(decode_experts, decode_quantized_experts, select_rows, to_dtype, grouped_linear, grouped_rows_linear,
-route_experts; cumsum for cumsum_sub_one), else a family: dispatch (gather_slots, scatter_slots),
+(decode_experts, decode_quantized_experts, quantized_grouped_linear, select_rows, to_dtype, grouped_linear,
+grouped_rows_linear, route_experts; cumsum for cumsum_sub_one), else a family: dispatch (gather_slots, scatter_slots),
 routing (route_topk, assign_locations, and group_by_expert on the CPU, whose CUDA kernel has its own file),
 gated_units, expert_rows, routed_experts (routed_gated_experts).  The files are not renamed to
 one per operator: the map is this table.
@@ -122,6 +122,10 @@ OPERATORS: Tuple[Operator, ...] = (
     Operator("decode_quantized_experts", "routed experts with MXFP4 / NVFP4 / FP8-block weights at decoding sizes",
              _CPU + "decode_quantized_experts_cpu.cpp", None, (),
              NONE + "CPU only (the codes are decoded as they are read)", "tutel.ops.fake._decode_quantized_experts",
+             NONE + "inference only"),
+    Operator("quantized_grouped_linear", "rows grouped by expert times an MXFP4 / NVFP4 / FP8-block stack (prefill)",
+             _CPU + "quantized_grouped_linear_cpu.cpp", None, (),
+             NONE + "CPU only (the codes are decoded a strip at a time)", "tutel.ops.fake._quantized_grouped_linear",
              NONE + "inference only"),
     Operator("add_expert_bias_", "in place: each grouped row plus its expert's bias",
              _CPU + "expert_rows_cpu.cpp", _CUDA + "expert_rows_cuda.cpp", ("kernels/expert_rows.cu",),

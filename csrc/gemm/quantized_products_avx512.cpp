@@ -1,0 +1,129 @@
+// The AVX-512 kernels of the float products (quantized_products.h): strips decoded 32 x 32 values
+// at a time in registers and transposed on their way to the strip, and the rows multiplied eight at
+// a time with the strip's 32 outputs in two registers.
+// GCC 12's AVX-512 intrinsics start from undefined vectors, which its (maybe-)uninitialized warnings
+// flag at every inlined use; this file holds nothing else those warnings could catch.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include "quantized_products.h"
+#include "quantized_steps_avx512.h"
+
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+#include "avx512_lanes.h"
+
+namespace tutel {
+namespace gemm {
+namespace {
+
+constexpr int64_t kStrip = kQuantizedStripOutputs;
+
+template <core::QuantFormat F>
+TUTEL_AVX512 void decode_strip_of(const core::QuantizedMatrix& w, int64_t expert, int64_t o, float* strip) {
+  const core::ByteTables& tables = core::byte_tables();
+  const int64_t valid = std::max<int64_t>(0, std::min(kStrip, w.rows - o));
+  quantized_steps::RowCursor rows[kStrip];
+  for (int64_t j = 0; j < valid; ++j) rows[j] = quantized_steps::row_cursor(w, expert, o + j);
+  // One step's 32 rows x 32 values, row-major; each 16 x 16 quarter goes out transposed.
+  alignas(64) float step_values[kStrip][32];
+  for (int64_t k = 0; k < w.cols; k += 32) {
+    const quantized_steps::Step step = quantized_steps::step_at(w, k);
+    for (int64_t j = 0; j < kStrip; ++j) {
+      __m512 values[2];
+      if (j < valid) {
+        quantized_steps::decode_step<F>(tables, rows[j], step, values);
+      } else {
+        values[0] = values[1] = _mm512_setzero_ps();
+      }
+      _mm512_store_ps(step_values[j], values[0]);
+      _mm512_store_ps(step_values[j] + 16, values[1]);
+    }
+    for (int64_t half = 0; half < 2 && 16 * half < step.count; ++half) {  // values k + 16 half ..
+      for (int64_t quarter = 0; quarter < 2; ++quarter) {                 // outputs o + 16 quarter ..
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = _mm512_castps_si512(_mm512_load_ps(step_values[16 * quarter + i] + 16 * half));
+        avx512::transpose_16x16(r);
+        for (int64_t i = 0; i < std::min<int64_t>(16, step.count - 16 * half); ++i)
+          _mm512_storeu_ps(strip + (k + 16 * half + i) * kStrip + 16 * quarter, _mm512_castsi512_ps(r[i]));
+      }
+    }
+  }
+}
+
+void avx512_decode_strip(const core::QuantizedMatrix& w, int64_t expert, int64_t o, float* strip) {
+  switch (w.format) {
+    case core::QuantFormat::kMxfp4: return decode_strip_of<core::QuantFormat::kMxfp4>(w, expert, o, strip);
+    case core::QuantFormat::kNvfp4: return decode_strip_of<core::QuantFormat::kNvfp4>(w, expert, o, strip);
+    case core::QuantFormat::kFp8Block: return decode_strip_of<core::QuantFormat::kFp8Block>(w, expert, o, strip);
+  }
+}
+
+template <int R>
+TUTEL_AVX512 void multiply_rows(const float* x, int64_t x_stride, int64_t inner, const float* strip, __m512 bias[2],
+                                float* y, int64_t y_stride, __mmask16 kept[2]) {
+  __m512 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < inner; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(strip + k * kStrip), w1 = _mm512_loadu_ps(strip + k * kStrip + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_set1_ps(x[r * x_stride + k]);
+      sums[r][0] = _mm512_fmadd_ps(v, w0, sums[r][0]);
+      sums[r][1] = _mm512_fmadd_ps(v, w1, sums[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * y_stride, kept[0], _mm512_add_ps(sums[r][0], bias[0]));
+    _mm512_mask_storeu_ps(y + r * y_stride + 16, kept[1], _mm512_add_ps(sums[r][1], bias[1]));
+  }
+}
+
+TUTEL_AVX512 void avx512_multiply_strip(const float* x, int64_t x_stride, int64_t rows, int64_t inner,
+                                        const float* strip, const float* bias, float* y, int64_t y_stride,
+                                        int64_t outputs) {
+  __mmask16 kept[2];
+  __m512 bias_lanes[2];
+  for (int half = 0; half < 2; ++half) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, outputs - 16 * half));
+    kept[half] = __mmask16((uint32_t(1) << n) - 1u);
+    bias_lanes[half] = bias ? _mm512_maskz_loadu_ps(kept[half], bias + 16 * half) : _mm512_setzero_ps();
+  }
+  constexpr int64_t kBlock = 8;  // 16 sums in registers, beside the strip's two and the broadcast
+  int64_t r = 0;
+  for (; r + kBlock <= rows; r += kBlock)
+    multiply_rows<kBlock>(x + r * x_stride, x_stride, inner, strip, bias_lanes, y + r * y_stride, y_stride, kept);
+  const float* const xr = x + r * x_stride;
+  float* const yr = y + r * y_stride;
+  switch (rows - r) {
+    case 1: multiply_rows<1>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 2: multiply_rows<2>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 3: multiply_rows<3>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 4: multiply_rows<4>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 5: multiply_rows<5>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 6: multiply_rows<6>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    case 7: multiply_rows<7>(xr, x_stride, inner, strip, bias_lanes, yr, y_stride, kept); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+const QuantizedStripKernels* avx512_strip_kernels() {
+  static const QuantizedStripKernels kernels{&avx512_decode_strip, &avx512_multiply_strip, "avx512"};
+  return avx512::cpu_has_avx512() ? &kernels : nullptr;
+}
+
+}  // namespace gemm
+}  // namespace tutel
+
+#else
+
+namespace tutel {
+namespace gemm {
+
+const QuantizedStripKernels* avx512_strip_kernels() { return nullptr; }
+
+}  // namespace gemm
+}  // namespace tutel
+
+#endif

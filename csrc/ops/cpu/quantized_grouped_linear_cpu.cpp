@@ -1,0 +1,137 @@
+// quantized_grouped_linear on CPU: the operator's checks, then the quantized products of
+// gemm/quantized_products.h: the tile products for bfloat16 rows where the CPU has AMX, the float
+// products otherwise (16-bit rows widened to float32 first and the results rounded back), with the
+// kernels in force: the widest this CPU runs, unless tutel._C._set_quantized_linear_kernels chose
+// others (as the tests do, to check every kernel set this CPU has).
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../../gemm/quantized_products.h"
+#include "../core_types.h"
+#include "../quantized_grouped_linear_args.h"
+
+namespace tutel {
+namespace ops {
+namespace {
+
+constexpr const char* kTiles = "amx";
+
+// The kernel sets this CPU runs, widest first: "amx" (the tile products for bfloat16 rows; other
+// rows take the widest float kernels), then the float kernels.
+std::vector<std::string> available_sets() {
+  std::vector<std::string> sets;
+  if (gemm::quantized_tile_products_available()) sets.push_back(kTiles);
+  if (gemm::avx512_strip_kernels() != nullptr) sets.push_back(gemm::avx512_strip_kernels()->name);
+  sets.push_back(gemm::portable_strip_kernels().name);
+  return sets;
+}
+
+// The index in available_sets() of the set asked for (0: the widest).
+std::atomic<int> g_chosen{0};
+
+std::string set_in_force() { return available_sets()[size_t(g_chosen.load(std::memory_order_relaxed))]; }
+
+const gemm::QuantizedStripKernels& strip_kernels_in_force() {
+  const std::string name = set_in_force();
+  if (name == gemm::portable_strip_kernels().name) return gemm::portable_strip_kernels();
+  return gemm::best_strip_kernels();
+}
+
+core::QuantizedMatrix matrix_of(const QuantizedGroupedLinearArgs& a) {
+  core::QuantizedMatrix m;
+  m.format = a.format;
+  m.codes = reinterpret_cast<const uint8_t*>(a.stack.codes.data_ptr());
+  m.rows = a.stack.rows;
+  m.cols = a.stack.cols;
+  if (a.format == core::QuantFormat::kFp8Block) {
+    m.float_scales = a.stack.scales.data_ptr<float>();
+    m.block_rows = a.block_rows;
+    m.block_cols = a.block_cols;
+  } else {
+    m.byte_scales = a.stack.scales.data_ptr<uint8_t>();
+  }
+  m.global_scales = a.stack.global.defined() ? a.stack.global.data_ptr<float>() : nullptr;
+  return m;
+}
+
+template <class T>
+gemm::QuantizedGroupedProducts<T> products_of(const QuantizedGroupedLinearArgs& a, const at::Tensor& x,
+                                              at::Tensor& y) {
+  gemm::QuantizedGroupedProducts<T> call;
+  call.x = reinterpret_cast<const T*>(x.data_ptr());
+  call.x_stride = x.size(0) > 1 ? x.stride(0) : x.size(1);
+  call.offsets = a.offsets.data();
+  call.experts = a.experts;
+  call.w = matrix_of(a);
+  call.bias = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
+  call.y = reinterpret_cast<T*>(y.data_ptr());
+  call.y_stride = y.size(1);
+  return call;
+}
+
+at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor& ends, c10::string_view format,
+                                        const at::Tensor& codes, const at::Tensor& scales,
+                                        const c10::optional<at::Tensor>& global_scale, at::IntArrayRef block,
+                                        const c10::optional<at::Tensor>& bias) {
+  RECORD_FUNCTION("tutel::quantized_grouped_linear", c10::ArrayRef<c10::IValue>({}));
+  const QuantizedGroupedLinearArgs a =
+      quantized_grouped_linear_args(rows, ends, std::string(format), codes, scales, global_scale, block, bias);
+  const int64_t n = rows.size(0), outputs = a.stack.rows, grouped = a.offsets.back();
+  at::Tensor out = at::empty({n, outputs}, rows.options());
+  if (n == 0 || outputs == 0) return out;
+  if (grouped < n) out.narrow(0, grouped, n - grouped).zero_();  // the rows of no expert
+  if (grouped == 0) return out;
+  if (rows.scalar_type() == at::kBFloat16 && set_in_force() == kTiles) {
+    gemm::quantized_tile_products(products_of<core::bfloat16>(a, a.rows, out));
+    return out;
+  }
+  const bool wide = rows.scalar_type() == at::kFloat;
+  const at::Tensor x = wide ? a.rows : a.rows.narrow(0, 0, grouped).to(at::kFloat);
+  at::Tensor y = wide ? out : at::empty({grouped, outputs}, rows.options().dtype(at::kFloat));
+  gemm::quantized_float_products(products_of<float>(a, x, y), strip_kernels_in_force());
+  if (!wide) out.narrow(0, 0, grouped).copy_(y);
+  return out;
+}
+
+}  // namespace
+
+void register_quantized_linear_functions(pybind11::module_& m) {
+  m.def(
+      "_quantized_linear_kernels", [] { return set_in_force(); },
+      "The kernels quantized_grouped_linear runs on the CPU: 'amx', 'avx512' or 'portable'.");
+  m.def(
+      "_quantized_linear_kernel_sets", [] { return available_sets(); },
+      "The kernel sets this CPU runs, widest first.");
+  m.def(
+      "_set_quantized_linear_kernels",
+      [](const std::string& name) {
+        if (name == "best") {
+          g_chosen.store(0, std::memory_order_relaxed);
+          return;
+        }
+        const std::vector<std::string> sets = available_sets();
+        std::string allowed = "'best'";
+        for (size_t i = 0; i < sets.size(); ++i) {
+          if (name == sets[i]) {
+            g_chosen.store(int(i), std::memory_order_relaxed);
+            return;
+          }
+          allowed += ", '" + sets[i] + "'";
+        }
+        TORCH_CHECK_VALUE(false, "tutel.ops.quantized_linear.set_quantized_linear_kernels: `name` '", name,
+                          "' is not a kernel set this CPU runs; allowed: ", allowed);
+      },
+      "Makes quantized_grouped_linear run the named kernels ('best': the widest this CPU runs) from now on.",
+      pybind11::arg("name"));
+}
+
+TORCH_LIBRARY_IMPL(tutel, CPU, m) { m.impl("quantized_grouped_linear", &quantized_grouped_linear_cpu); }
+
+}  // namespace ops
+}  // namespace tutel

@@ -1,0 +1,225 @@
+"""tutel.ops.quantized_linear.quantized_grouped_linear (the operator tutel::quantized_grouped_linear)
+on the CPU: rows grouped by expert times MXFP4 / NVFP4 / block-FP8 stacks, against a float64
+reference written from the formula, y[r] = rows[r] @ W[e]^T + bias[e], with W each stack's float64
+reference dequantization (tested against the formats' specifications in test_quant_formats.py)."""
+import pytest
+import torch
+
+from tutel.ops.quantized_linear import (quantized_grouped_linear, quantized_linear_kernel_sets,
+                                        quantized_linear_kernels, set_quantized_linear_kernels,
+                                        using_quantized_linear_kernels)
+from tutel.quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights
+
+FORMATS = ("mxfp4", "nvfp4", "fp8_block")
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_SETS = quantized_linear_kernel_sets()
+
+
+def make_stack(format, experts, outputs, features, seed, block=(128, 128), scale_dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(experts, outputs, features, generator=generator, dtype=torch.float64)
+    weight *= torch.rand(experts, outputs, 1, generator=generator, dtype=torch.float64) * 4 + 0.05
+    if format == "mxfp4":
+        return Mxfp4Weights.quantize(weight)
+    if format == "nvfp4":
+        return Nvfp4Weights.quantize(weight)
+    return Fp8BlockWeights.quantize(weight, block=block, scale_dtype=scale_dtype)
+
+
+def make_ends(rows, experts, seed, past_last_end=True):
+    """Random ends with empty experts among them, and (when asked) rows past the last end."""
+    generator = torch.Generator().manual_seed(seed)
+    grouped = rows - int(torch.randint(0, rows // 4 + 1, (1,), generator=generator)) if past_last_end else rows
+    weights = torch.rand(experts, generator=generator)
+    weights[torch.rand(experts, generator=generator) < 0.3] = 0  # empty experts
+    if weights.sum() == 0:
+        weights[-1] = 1
+    counts = torch.floor(weights / weights.sum() * grouped).long()
+    counts[int(torch.argmax(weights))] += grouped - int(counts.sum())
+    return torch.cumsum(counts, 0)
+
+
+def reference(rows, ends, stack, bias):
+    """float64: each expert's rows times its float64-dequantized matrix plus bias; other rows zero;
+    and sum |x| |W| + |bias| per output, the scale of each output's rounding error."""
+    weights = stack.dequantize_reference(torch.float64)
+    x = rows.double()
+    out = torch.zeros(rows.shape[0], stack.out_features, dtype=torch.float64)
+    magnitude = torch.zeros_like(out)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        out[start:end] = x[start:end] @ weights[expert].t()
+        magnitude[start:end] = x[start:end].abs() @ weights[expert].abs().t()
+        if bias is not None:
+            out[start:end] += bias[expert].double()
+            magnitude[start:end] += bias[expert].double().abs()
+        start = end
+    return out, magnitude
+
+
+# Per rows' dtype: (error relative to sum |x| |W|: the weights' and the float32 sums' rounding,
+# error relative to |y|: the output's rounding).  bfloat16 rows may take bfloat16 weights (AMX).
+TOLERANCES = {torch.float32: (2e-6, 1e-6), torch.float16: (2e-6, 2 ** -11), torch.bfloat16: (2 ** -8, 2 ** -8)}
+
+
+def check_close(got, rows, ends, stack, bias):
+    assert got.dtype == rows.dtype and tuple(got.shape) == (rows.shape[0], stack.out_features)
+    expected, magnitude = reference(rows, ends, stack, bias)
+    to_sum, to_out = TOLERANCES[rows.dtype]
+    error = (got.double() - expected).abs()
+    bound = to_sum * magnitude + to_out * expected.abs() + 1e-30
+    worst = (error / bound).max().item() if error.numel() else 0.0
+    assert worst <= 1.0, f"error {error.max().item():.3g} exceeds the bound by {worst:.3g}x"
+    last = int(ends[-1])
+    assert torch.count_nonzero(got[last:]) == 0  # the rows of no expert
+
+
+def features_of(format):
+    return 200 if format == "fp8_block" else 64
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+@pytest.mark.parametrize("experts", (1, 3, 8))
+@pytest.mark.parametrize("rows", (0, 1, 3, 17, 64, 300))
+def test_every_format_dtype_and_size(format, dtype, experts, rows):
+    features = features_of(format)
+    stack = make_stack(format, experts, 97, features, seed=rows * 31 + experts)
+    generator = torch.Generator().manual_seed(rows + 7)
+    x = torch.randn(rows, features, generator=generator).to(dtype)
+    ends = make_ends(rows, experts, seed=rows + experts)
+    bias = torch.randn(experts, 97, generator=generator) if rows % 2 else None
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack, bias)
+    check_close(got, x, ends, stack, bias)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+def test_every_kernel_set(kernels, format, dtype):
+    features = features_of(format)
+    stack = make_stack(format, 3, 97, features, seed=5)
+    x = torch.randn(70, features, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ends = make_ends(70, 3, seed=11)
+    bias = torch.randn(3, 97, dtype=torch.bfloat16)
+    with using_quantized_linear_kernels(kernels), torch.no_grad():
+        assert quantized_linear_kernels() == kernels
+        got = quantized_grouped_linear(x, ends, stack, bias)
+    check_close(got, x, ends, stack, bias)
+    assert quantized_linear_kernels() == KERNEL_SETS[0]
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("block, scale_dtype", [((3, 48), torch.float32), ((128, 128), torch.bfloat16),
+                                                ((1, 16), torch.float32), ((64, 200), torch.bfloat16)])
+def test_fp8_blocks_of_every_shape(kernels, block, scale_dtype):
+    # 48- and 16-wide blocks cross the kernels' 32-value steps; 200 is the whole row.
+    stack = make_stack("fp8_block", 2, 37, 200, seed=9, block=block, scale_dtype=scale_dtype)
+    x = torch.randn(40, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ends = torch.tensor([15, 40])
+    with using_quantized_linear_kernels(kernels), torch.no_grad():
+        check_close(quantized_grouped_linear(x, ends, stack), x, ends, stack, None)
+        check_close(quantized_grouped_linear(x.float(), ends, stack), x.float(), ends, stack, None)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="PyTorch without float8_e8m0fnu")
+def test_fp8_block_with_e8m0_scales():
+    stack = make_stack("fp8_block", 2, 33, 160, seed=2, scale_dtype=torch.float8_e8m0fnu)
+    x = torch.randn(20, 160, generator=torch.Generator().manual_seed(1))
+    ends = [7, 20]
+    with torch.no_grad():
+        check_close(quantized_grouped_linear(x, ends, stack), x, torch.tensor(ends), stack, None)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_nvfp4_rows_of_an_odd_number_of_blocks(kernels):
+    # 48 values: the kernels' last 32-value step holds one 16-value block.
+    stack = make_stack("nvfp4", 2, 19, 48, seed=8)
+    x = torch.randn(33, 48, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ends = torch.tensor([10, 30], dtype=torch.int32)
+    with using_quantized_linear_kernels(kernels), torch.no_grad():
+        check_close(quantized_grouped_linear(x, ends, stack), x, ends.long(), stack, None)
+
+
+def test_row_strided_rows_and_list_ends():
+    stack = make_stack("mxfp4", 2, 50, 96, seed=1)
+    wide = torch.randn(30, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = wide[:, 10:106]  # rows 200 apart, read in place
+    bias = torch.randn(2, 50, dtype=torch.float64)
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, [12, 25], stack, bias)
+    check_close(got, x, torch.tensor([12, 25]), stack, bias)
+
+
+def test_inputs_not_changed():
+    stack = make_stack("nvfp4", 2, 40, 64, seed=3)
+    before = {name: t.clone() for name, t in stack.tensors().items()}
+    x = torch.randn(10, 64)
+    x_before = x.clone()
+    quantized_grouped_linear(x, [4, 10], stack)
+    assert torch.equal(x, x_before)
+    for name, t in stack.tensors().items():
+        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def good_call():
+    stack = make_stack("mxfp4", 3, 20, 64, seed=0)
+    return torch.randn(10, 64), torch.tensor([3, 3, 9]), stack
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda x, e, s: (x.double(), e, s), TypeError, "`rows` must be float32, bfloat16 or float16"),
+    (lambda x, e, s: (x[None], e, s), ValueError, "rows"),
+    (lambda x, e, s: (x[:, :32], e, s), ValueError, "must have the 64 features"),
+    (lambda x, e, s: (x, e.float(), s), TypeError, "`ends` must be int32 or int64"),
+    (lambda x, e, s: (x, e[:2], s), ValueError, r"`ends` must be \[3\]"),
+    (lambda x, e, s: (x, torch.tensor([3, 2, 9]), s), ValueError, "non-decreasing"),
+    (lambda x, e, s: (x, torch.tensor([3, 3, 11]), s), ValueError, r"within \[0, 10\]"),
+    (lambda x, e, s: (x, torch.tensor([-1, 3, 9]), s), ValueError, "non-decreasing"),
+    (lambda x, e, s: (x, [3, 3.0, 9], s), TypeError, "sequence of ints"),
+    (lambda x, e, s: (x, e, s.dequantize_reference(torch.float32)), TypeError, "tutel.quant"),
+])
+def test_bad_input_is_named(change, error, match):
+    x, ends, stack = change(*good_call())
+    with pytest.raises(error, match=match):
+        quantized_grouped_linear(x, ends, stack)
+
+
+def test_bad_bias_is_named():
+    x, ends, stack = good_call()
+    with pytest.raises(ValueError, match=r"`bias` must be \[3, 20\], got \[3, 19\]"):
+        quantized_grouped_linear(x, ends, stack, torch.zeros(3, 19))
+    with pytest.raises(TypeError, match="bias"):
+        quantized_grouped_linear(x, ends, stack, torch.zeros(3, 20, dtype=torch.int32))
+
+
+def test_a_gradient_is_refused():
+    x, ends, stack = good_call()
+    with pytest.raises(RuntimeError, match="no backward"):
+        quantized_grouped_linear(x.requires_grad_(), ends, stack)
+    with torch.no_grad():
+        quantized_grouped_linear(x, ends, stack)
+
+
+def test_the_operator_checks_its_own_arguments():
+    x, ends, stack = good_call()
+    op = torch.ops.tutel.quantized_grouped_linear
+    with pytest.raises(ValueError, match="not a weight format"):
+        op(x, ends, "int4", stack.packed, stack.scales, None, [], None)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        op(x, torch.tensor([5, 3, 9]), "mxfp4", stack.packed, stack.scales, None, [], None)
+    with pytest.raises(ValueError, match="`scales` must be"):
+        op(x, ends, "mxfp4", stack.packed, stack.scales[:, :, :1], None, [], None)
+    with pytest.raises(ValueError, match="`block` is fp8_block's"):
+        op(x, ends, "mxfp4", stack.packed, stack.scales, None, [128, 128], None)
+    with pytest.raises(ValueError, match="features"):
+        op(x[:, :32], ends, "mxfp4", stack.packed, stack.scales, None, [], None)
+
+
+def test_an_unknown_kernel_set_is_named():
+    with pytest.raises(ValueError, match="not a kernel set this CPU runs"):
+        set_quantized_linear_kernels("sse9")
+    assert quantized_linear_kernels() == KERNEL_SETS[0]

@@ -1,0 +1,155 @@
+"""Rows grouped by expert times a quantized expert stack, on the CPU: tutel's
+``quantized_grouped_linear`` operator, the prefill products of quantized experts.
+
+``quantized_grouped_linear(rows, ends, stack, bias)`` is, for the rows of each expert e
+(``rows[ends[e-1]:ends[e]]``, the rows past the last end giving zeros),
+
+    y[r] = rows[r] @ W[e]^T + bias[e]
+
+with W the ``tutel.quant`` stack (``Fp8BlockWeights``, ``Mxfp4Weights``, ``Nvfp4Weights``)
+dequantized as its format defines it, summed in float32.  No float copy of a matrix is ever made:
+each work item (an expert and a strip of its outputs) decodes its strip into a small buffer of its
+thread, laid out as the multiplying kernel reads it, and multiplies all of the expert's rows with it.
+
+* float32 and float16 rows: the strips are decoded exactly in float32 (nvfp4's two scales
+  multiplied in float32 first) and multiplied with AVX-512 FMA loops (portable loops on other
+  CPUs); float16 rows are widened to float32 and the results rounded back.
+* bfloat16 rows, where the CPU has AMX (Intel Xeon from Sapphire Rapids on): the strips are decoded
+  into bfloat16 tiles, **each weight rounded to bfloat16** (as transformers' CPU path dequantizes
+  FP8 weights to bfloat16; MXFP4 values are exact in bfloat16 unless tiny), and multiplied on AMX
+  tiles.  Without AMX they take the float32 way above.
+
+Inference only: there is no backward.
+"""
+import contextlib
+from typing import Iterator, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
+from .checks import require_dim, require_floating, require_tensor, same_device
+from .extension import load_extension
+
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+END_DTYPES = (torch.int32, torch.int64)
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # PyTorch 2.7 on
+_WHERE = "tutel.ops.quantized_grouped_linear"
+
+
+def quantized_linear_kernels() -> str:
+    """The kernels the operator runs now: ``"amx"`` (bfloat16 rows on AMX tiles, other rows on the
+    widest float kernels), ``"avx512"`` or ``"portable"``."""
+    return load_extension()._quantized_linear_kernels()
+
+
+def quantized_linear_kernel_sets() -> Tuple[str, ...]:
+    """The kernel sets this CPU runs, widest first (``"portable"`` always last)."""
+    return tuple(load_extension()._quantized_linear_kernel_sets())
+
+
+def set_quantized_linear_kernels(name: str) -> None:
+    """Makes the operator run the `name` kernels from now on, in every thread of the process:
+    ``"best"`` (the widest this CPU runs, the default) or one of ``quantized_linear_kernel_sets()``.
+
+    Raises ValueError for any other name."""
+    if not isinstance(name, str):
+        raise ValueError(f"set_quantized_linear_kernels: `name` must be 'best' or one of "
+                         f"{quantized_linear_kernel_sets()}, got {name!r}")
+    load_extension()._set_quantized_linear_kernels(name)
+
+
+@contextlib.contextmanager
+def using_quantized_linear_kernels(name: str) -> Iterator[None]:
+    """Runs the block's calls on the `name` kernels (see ``set_quantized_linear_kernels``), then
+    goes back to the best ones."""
+    set_quantized_linear_kernels(name)
+    try:
+        yield
+    finally:
+        set_quantized_linear_kernels("best")
+
+
+def _stack_arguments(stack: QuantizedWeights) -> tuple:
+    """(format, codes, scales, global_scale, block) as the operator takes them."""
+    if isinstance(stack, Mxfp4Weights):
+        return "mxfp4", stack.packed, stack.scales, None, []
+    if isinstance(stack, Nvfp4Weights):
+        return "nvfp4", stack.packed, stack.block_scales, stack.global_scales, []
+    if isinstance(stack, Fp8BlockWeights):
+        scales = stack.scale_inv
+        if _E8M0 is not None and scales.dtype == _E8M0:  # powers of two: exact in float32
+            scales = scales.float()
+        return "fp8_block", stack.weight, scales, None, list(stack.block)
+    raise TypeError(f"{_WHERE}: `stack` must be a tutel.quant Fp8BlockWeights, Mxfp4Weights or Nvfp4Weights, "
+                    f"got {type(stack).__name__}")
+
+
+def _checked_ends(ends: Union[torch.Tensor, Sequence[int]], experts: int, rows: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ends, torch.Tensor):
+        if not isinstance(ends, (list, tuple)) or not all(isinstance(e, int) and not isinstance(e, bool)
+                                                          for e in ends):
+            raise TypeError(f"{_WHERE}: `ends` must be an int32 / int64 tensor or a sequence of ints, "
+                            f"got {type(ends).__name__}")
+        ends = torch.tensor(list(ends), dtype=torch.int64)
+    if ends.dtype not in END_DTYPES:
+        raise TypeError(f"{_WHERE}: `ends` must be int32 or int64, got {ends.dtype}")
+    if tuple(ends.shape) != (experts,):
+        raise ValueError(f"{_WHERE}: `ends` must be [{experts}], one end per expert of `stack`, got shape "
+                         f"{list(ends.shape)}")
+    same_device(rows, ends, "ends", _WHERE)
+    if experts and ((ends[0] < 0) | (ends[-1] > rows.shape[0]) | (ends[1:] < ends[:-1]).any()).item():
+        raise ValueError(f"{_WHERE}: `ends` must be non-decreasing within [0, {rows.shape[0]}] (the rows of "
+                         f"`rows`), got {ends.tolist()}")
+    return ends
+
+
+def quantized_grouped_linear(rows: torch.Tensor, ends: Union[torch.Tensor, Sequence[int]], stack: QuantizedWeights,
+                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The products of rows grouped by expert with a quantized stack, for inference on the CPU (see
+    the module docstring for the rounding of each dtype).
+
+    Args:
+        rows: [n, K] rows, float32, bfloat16 or float16, on the CPU; expert e's are
+            rows[ends[e-1]:ends[e]] (ends[-1] = 0).
+        ends: [E] non-decreasing end of each expert's rows, within [0, n]: an int32 / int64 CPU
+            tensor or a sequence of ints.  Rows past the last end give zeros.
+        stack: a tutel.quant stack of E matrices [N, K] (``Fp8BlockWeights``, ``Mxfp4Weights``,
+            ``Nvfp4Weights``) on the CPU.
+        bias: [E, N] of any floating dtype (taken as float32), or None.
+
+    Returns:
+        [n, N] in rows' dtype.
+
+    Raises:
+        TypeError: `stack` is no tutel.quant stack, or a tensor has a dtype not allowed (named).
+        ValueError: a shape or device that does not fit (named, with the shape expected).
+        RuntimeError: where a gradient would be needed: the operator has no backward.
+    """
+    require_tensor(rows, "rows", _WHERE)
+    if rows.dtype not in ROW_DTYPES:
+        raise TypeError(f"{_WHERE}: `rows` must be float32, bfloat16 or float16, got {rows.dtype}")
+    require_dim(rows, 2, "rows", _WHERE)
+    if rows.device.type != "cpu":
+        raise ValueError(f"{_WHERE}: runs on the CPU, but `rows` is on {rows.device}")
+    format, codes, scales, global_scale, block = _stack_arguments(stack)
+    if stack.device.type != "cpu":
+        raise ValueError(f"{_WHERE}: runs on the CPU, but `stack` is on {stack.device}")
+    experts, outputs, features = stack.shape
+    if rows.shape[1] != features:
+        raise ValueError(f"{_WHERE}: `rows` {list(rows.shape)} must have the {features} features of `stack` "
+                         f"{list(stack.shape)} (experts, out_features, in_features)")
+    ends = _checked_ends(ends, experts, rows)
+    if bias is not None:
+        require_floating(bias, "bias", _WHERE)
+        if tuple(bias.shape) != (experts, outputs):
+            raise ValueError(f"{_WHERE}: `bias` must be [{experts}, {outputs}], got {list(bias.shape)}")
+        same_device(rows, bias, "bias", _WHERE)
+    if torch.is_grad_enabled() and (rows.requires_grad or (bias is not None and bias.requires_grad)):
+        raise RuntimeError(f"{_WHERE} is for inference and has no backward, but an input requires a gradient: "
+                           "call it under torch.no_grad() or torch.inference_mode()")
+    return torch.ops.tutel.quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias)
+
+
+__all__ = ["quantized_grouped_linear", "quantized_linear_kernel_sets", "quantized_linear_kernels",
+           "set_quantized_linear_kernels", "using_quantized_linear_kernels"]
