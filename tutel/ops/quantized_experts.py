@@ -5,9 +5,12 @@ For the rows of expert e (rows grouped by expert, as ``group_by_expert``'s ends 
     h = gate(x @ Wup[e]^T + up_bias[e])        (or activation(...) for experts without a gate)
     y = h @ Wdown[e]^T + down_bias[e]
 
-where W[e] is expert e's matrix dequantized as its format defines it, one expert at a time (never
-the whole stack in floating point), and each product accumulates in float32 (float64 for float64
-rows), its bias (any floating dtype, optional) added there.  Each product's result is then
+where W[e] is expert e's matrix dequantized as its format defines it, and each product accumulates
+in float32 (float64 for float64 rows), its bias (any floating dtype, optional) added there.  Rows
+of float32, bfloat16 or float16 go through tutel's ``quantized_grouped_linear`` operator, which
+decodes each expert's weights strip by strip into a small buffer as it multiplies (bfloat16 rows:
+the weights rounded to bfloat16 on the way, tutel.ops.quantized_linear); float64 rows dequantize
+one expert's matrix at a time in float64.  No float copy of a whole stack ever exists.  Each product's result is then
 rounded to the rows' dtype, so the activations between the products are in the model's dtype, as
 transformers' experts keep them.  ``up_bias`` is laid out as the values the gate rule reads: [E, U]
 like `up`'s rows, or [E, 2I] for [gate | up] where the gates are a stack of their own.
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
 from ..quant.codes import FLOAT8_E8M0FNU
 from .gated_units import GatedUnit, apply_gated_unit, unit_scalars
+from .quantized_linear import quantized_grouped_linear
 
 WEIGHT_ONLY = "weight_only"
 DYNAMIC = "dynamic"
@@ -154,6 +158,9 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
         [n, O] in rows' dtype.
     """
     require_cpu(rows.device, "rows")
+    if rows.dtype != torch.float64:
+        return _compiled_products(rows, ends, up, down, gate_weight, unit, gate_fn, activation,
+                                  activations == DYNAMIC, up_bias, down_bias)
     if isinstance(ends, torch.Tensor):
         ends = ends.tolist()
     dtype, wide = rows.dtype, compute_dtype(rows.dtype)
@@ -174,15 +181,44 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
                 up_matrix = torch.cat((dequantize_expert(gate_weight, expert, wide), up_matrix))
             hidden = _with_bias(_product(rows[start:end], up, expert, dynamic, wide, up_matrix), up_bias,
                                 expert).to(dtype)
-            if unit is not None:
-                hidden = apply_gated_unit(hidden, unit)
-            elif gate_fn is not None:
-                hidden = gate_fn(hidden)
-            else:
-                hidden = activation(hidden)
+            hidden = _gated(hidden, unit, gate_fn, activation)
             out[start:end] = _with_bias(_product(hidden, down, expert, dynamic, wide), down_bias, expert)
             start = end
     return out
+
+
+def _gated(hidden: torch.Tensor, unit: Optional[GatedUnit], gate_fn: Optional[Callable],
+           activation: Optional[Callable]) -> torch.Tensor:
+    """The rule between the two products on [n, U] up values."""
+    if unit is not None:
+        return apply_gated_unit(hidden, unit)
+    if gate_fn is not None:
+        return gate_fn(hidden)
+    return activation(hidden)
+
+
+def _compiled_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], up: QuantizedWeights,
+                       down: QuantizedWeights, gate_weight: Optional[QuantizedWeights], unit: Optional[GatedUnit],
+                       gate_fn: Optional[Callable], activation: Optional[Callable], dynamic: bool,
+                       up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """quantized_expert_products for float32 / bfloat16 / float16 rows: both products on tutel's
+    quantized_grouped_linear operator, which decodes each expert's weights strip by strip as it
+    multiplies (W8A8: the activations quantized and dequantized first, then multiplied in float32
+    with the weights exact, which is the product of the dequantized operands)."""
+    dtype = rows.dtype
+    with torch.no_grad():  # the stacks' float8 tensors may require grad; nothing here is differentiated
+        values = dynamic_activations(rows, up.block[1], torch.float32) if dynamic else rows
+        if gate_weight is None:
+            hidden = quantized_grouped_linear(values, ends, up, up_bias)
+        else:  # [gate | up]: the bias' halves with their stacks
+            inner = up.out_features
+            gate_bias, ups_bias = (None, None) if up_bias is None else (up_bias[:, :inner], up_bias[:, inner:])
+            hidden = torch.cat((quantized_grouped_linear(values, ends, gate_weight, gate_bias),
+                                quantized_grouped_linear(values, ends, up, ups_bias)), dim=1)
+        hidden = _gated(hidden.to(dtype), unit, gate_fn, activation)
+        if dynamic:
+            hidden = dynamic_activations(hidden, down.block[1], torch.float32)
+        return quantized_grouped_linear(hidden, ends, down, down_bias).to(dtype)
 
 
 def check_quantized_experts(up: object, down: object, gate_weight: object, gated: bool, activations: object,
