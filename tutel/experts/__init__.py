@@ -21,8 +21,9 @@ from .clamped_swiglu import ClampedSwiGLUExperts
 from .ffn import FusedExpertsNetwork
 from .llama_ffn import LlamaFFNNetwork
 from .quantized import routed_quantized_experts
+from .quantized_swiglu import QuantizedSwiGLUExperts
 from .routed import routed_experts
 from .shared import SharedExperts
 
-__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "SharedExperts", "routed_experts",
-           "routed_quantized_experts"]
+__all__ = ["ClampedSwiGLUExperts", "FusedExpertsNetwork", "LlamaFFNNetwork", "QuantizedSwiGLUExperts", "SharedExperts",
+           "routed_experts", "routed_quantized_experts"]

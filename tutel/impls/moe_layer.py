@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..collectives import get_world_size
+from ..experts.quantize_float import quantize_experts
 from ..experts.shared import pop_shared_experts
 from ..ops.checks import require_int
 from ..rules.autocast import any_autocast, autocast_dtype
@@ -173,6 +174,17 @@ class MOELayer(torch.nn.Module):
                 bias.update(self.group)
                 updated += 1
         return updated
+
+    def quantize_experts(self, format: str, **options: Any) -> "MOELayer":
+        """Replaces the layer's float experts (``llama_ffn`` or ``clamped_swiglu``) by quantized ones
+        (tutel.experts.quantized_swiglu) holding their matrices in `format` ("fp8_block", "mxfp4" or
+        "nvfp4"), in place; the float experts are released.  `options`: ``activations``
+        ("weight_only", or "dynamic" for "fp8_block") and the format's own (``block``,
+        ``scale_dtype`` for "fp8_block").  The layer then runs inference on the CPU only.  Returns
+        the layer.  Raises ValueError / TypeError (tutel.experts.quantize_float) leaving it unchanged."""
+        self.experts = quantize_experts(self.experts, format, **options)
+        forget_plans(self)
+        return self
 
     def _apply(self, fn, *args, **kwargs):
         forget_plans(self)  # (the plans hold no parameter, but a moved layer starts afresh)

@@ -23,13 +23,15 @@ Llama4TextMoe               sigmoid, score first  ``shared_expert``
 
 Routed experts whose layout is SwiGLU without biases (Mixtral's ``gate_up_proj`` [E, 2I, H], Llama
 4's transposed [E, H, 2I], ...) become ``llama_ffn`` experts; gpt-oss's clamped interleaved unit with
-biases on transposed weights becomes ``clamped_swiglu``.
+biases on transposed weights becomes ``clamped_swiglu``.  transformers' FP8 experts (``FP8Experts``:
+block-FP8 codes and scales, SwiGLU) become ``quantized_swiglu`` experts over the same codes and scales.
 """
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 import torch
 
-from ...ops.gated_units import GatedUnit
+from ...ops.gated_units import SWIGLU, GatedUnit
+from .fp8_experts import Fp8ExpertsLayout, is_fp8_experts, read_fp8_layout
 from .layout import ExpertsLayout, UnsupportedExpertsLayout, has_default_gate, is_silu, read_layout
 from .versions import installed_version
 
@@ -52,8 +54,10 @@ class BlockLayout(NamedTuple):
     router: torch.nn.Module                   # holds ``weight`` [E, H] (and ``bias`` for gpt-oss)
     selection_bias: Optional[torch.Tensor]    # e_score_correction_bias [E]
     experts: torch.nn.Module
-    experts_layout: ExpertsLayout             # the routed experts, as the experts implementation reads them
-    experts_type: str                         # the tutel experts type: 'llama_ffn' or 'clamped_swiglu'
+    experts_layout: Union[ExpertsLayout, Fp8ExpertsLayout]  # the routed experts, as the experts
+                                              # implementation reads them (Fp8ExpertsLayout: FP8 experts)
+    experts_type: str                         # the tutel experts type: 'llama_ffn', 'clamped_swiglu', or
+                                              # 'quantized_swiglu' (FP8 experts, their stacks kept)
     shared: Optional[torch.nn.Module]         # gate_proj / up_proj / down_proj MLP
     shared_gate: Optional[torch.nn.Module]    # Linear(H, 1) of Qwen2-MoE
     is_postscore: bool
@@ -118,8 +122,28 @@ def _require_silu(name: str, block: torch.nn.Module, owner: torch.nn.Module) -> 
                                                f"(hidden_act='silu') experts can be replaced")
 
 
+def _read_fp8_experts(name: str, block: torch.nn.Module, experts: torch.nn.Module, model_dim: int):
+    """(FP8 experts' layout, 'quantized_swiglu'): SwiGLU experts over block-FP8 stacks."""
+    try:
+        layout = read_fp8_layout(experts)
+    except UnsupportedExpertsLayout as error:
+        raise UnsupportedMoeBlock(name, block, f"its FP8 experts: {error}") from error
+    if layout.unit != SWIGLU or layout.gate_fn is not None or layout.activation is not None:
+        raise UnsupportedMoeBlock(name, block, f"its FP8 experts ({type(experts).__name__}) are not SwiGLU experts "
+                                               f"(transformers' own gate with a SiLU act_fn)")
+    if layout.expert_parallel:
+        raise UnsupportedMoeBlock(name, block, f"its FP8 experts ({type(experts).__name__}) hold one process's "
+                                               f"share of the experts (_is_expert_parallel)")
+    if layout.model_dim != model_dim:
+        raise UnsupportedMoeBlock(name, block, f"the router takes tokens of {model_dim} features, the experts "
+                                               f"{layout.model_dim}")
+    return layout, "quantized_swiglu"
+
+
 def _read_experts(name: str, block: torch.nn.Module, experts: torch.nn.Module, model_dim: int):
     """(the routed experts' layout, the tutel experts type holding them exactly)."""
+    if is_fp8_experts(experts):
+        return _read_fp8_experts(name, block, experts, model_dim)
     try:
         layout = read_layout(experts)
     except UnsupportedExpertsLayout as error:

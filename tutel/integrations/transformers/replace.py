@@ -2,7 +2,8 @@
 
 The new layers hold the blocks' weights -- the same tensors where the layouts agree (routers,
 shared experts, gpt-oss's experts on one process), copies otherwise (the SwiGLU experts, stored
-flat by ``llama_ffn``) -- route dropless by default, and compute what the blocks computed.  They
+flat by ``llama_ffn``; transformers' FP8 experts keep their block-FP8 codes and scales, in
+``quantized_swiglu`` experts) -- route dropless by default, and compute what the blocks computed.  They
 then offer tutel's per-call switches, ``l_aux``, expert parallelism over a process group and the
 checkpoint tools (``tutel.checkpoint``).  Every block is read and its layer built before the
 first one is swapped in, so an error leaves the model untouched.
@@ -58,15 +59,21 @@ def _build_layer(name: str, block: torch.nn.Module, layout: BlockLayout, group, 
                                                 f"the group's {world_size} processes (it must divide them)")
     gate = dict(layout.gate, type="custom", module=TransformersRouter, logits=layout.logits, capacity_factor=0.0)
     gate.update(gate_overrides)
-    experts: Dict[str, Any] = {"type": layout.experts_type, "num_experts_per_device": layout.num_experts // world_size,
-                               "hidden_size_per_expert": layout.experts_layout.inner_dim}
+    local_experts = layout.num_experts // world_size
+    experts: Dict[str, Any] = {"type": layout.experts_type, "num_experts_per_device": local_experts}
+    if layout.experts_type == "quantized_swiglu":  # FP8 experts: this process's share of their stacks, kept
+        experts.update(_fp8_stacks(layout.experts_layout, get_world_rank(group) * local_experts, local_experts))
+    else:
+        experts["hidden_size_per_expert"] = layout.experts_layout.inner_dim
     if layout.experts_type == "clamped_swiglu":
         unit = layout.experts_layout.gate
         experts.update(alpha=unit.alpha, limit=unit.limit, interleaved=unit.interleaved)
     if layout.shared is not None:
         experts["shared_experts"] = {"hidden_size": layout.shared.gate_proj.out_features,
                                      "gated": layout.shared_gate is not None}
-    reference = layout.experts_layout.down_weight  # the experts' device and dtype
+    # the experts' device and dtype (the router's for FP8 experts: the model's dtype)
+    reference = layout.router.weight if layout.experts_type == "quantized_swiglu" else \
+        layout.experts_layout.down_weight
     try:
         with torch.random.fork_rng(devices=[]):  # the throw-away initialisation leaves the user's RNG alone
             layer = ReplacedMoeBlock(call_defaults=call_defaults, returns=layout.returns, family=layout.family,
@@ -79,6 +86,15 @@ def _build_layer(name: str, block: torch.nn.Module, layout: BlockLayout, group, 
     _load_weights(layer, layout, get_world_rank(group), world_size)
     layer.train(layout.experts.training)
     return layer
+
+
+def _fp8_stacks(fp8, first: int, count: int) -> Dict[str, Any]:
+    """The quantized_swiglu experts options of an Fp8ExpertsLayout: the stacks of experts first ..
+    first + count - 1 (views of the module's codes and scales), the unit and the activations."""
+    local = slice(first, first + count)
+    return {"up": fp8.up.select_experts(local), "down": fp8.down.select_experts(local),
+            "gate_weight": None if fp8.gate_weight is None else fp8.gate_weight.select_experts(local),
+            "unit": fp8.unit, "activations": fp8.activations}
 
 
 def _local(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -105,13 +121,16 @@ def _load_weights(layer: ReplacedMoeBlock, layout: BlockLayout, rank: int, world
     with torch.no_grad():
         if layout.selection_bias is not None:
             gate.selection_bias.bias.copy_(layout.selection_bias)
-        experts, inner = layout.experts_layout, layout.experts_layout.inner_dim
-        if layout.experts_type == "clamped_swiglu":  # the same layout: shared on one process, sliced on several
+        experts = layout.experts_layout
+        if layout.experts_type == "quantized_swiglu":
+            pass  # the layer was built over the FP8 experts' own stacks
+        elif layout.experts_type == "clamped_swiglu":  # the same layout: shared on one process, sliced on several
             for attribute, source in (("gate_up_proj", experts.up_weight), ("gate_up_proj_bias", experts.up_bias),
                                       ("down_proj", experts.down_weight), ("down_proj_bias", experts.down_bias)):
                 _share_parameter(layer.experts, attribute, _local(source, rank, world_size).detach()
                                  if world_size > 1 else source, expert=True)
         else:
+            inner = experts.inner_dim
             up, down = _local(experts.up_weight, rank, world_size), _local(experts.down_weight, rank, world_size)
             if experts.transposed:  # [L, M, 2I] gate columns first, down [L, I, M]
                 gate_w, up_w, down_w = up[..., :inner], up[..., inner:], down
