@@ -84,6 +84,14 @@ PYTHON_RULES = [
      "tests/python/integrations/test_replace_moe_blocks.py::test_documented_example_runs"),
     ("from deepspeed.moe.layer import MoE", "COVERED",
      "tests/integration/deepspeed/test_deepspeed_doc_example.py::test_documented_example_runs"),
+    ("routed_quantized_experts(x, expert_ids", "COVERED",
+     "tests/python/integrations/test_quantized_docs.py::test_the_routed_call_over_each_format_runs"),
+    ("use_mxfp4_experts(model, tensors)", "COVERED",
+     "tests/python/integrations/test_quantized_docs.py::test_a_gpt_oss_model_takes_its_checkpoints_mxfp4_experts"),
+    ("tutel_hf.enable(model, fp8_activations", "COVERED",
+     "tests/python/integrations/test_quantized_docs.py::test_a_model_with_fp8_experts_is_enabled_both_ways"),
+    ('layer.eval().quantize_experts("nvfp4")', "COVERED",
+     "tests/python/integrations/test_quantized_docs.py::test_a_layer_quantizes_its_experts_in_place"),
 ]
 
 
