@@ -30,8 +30,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, check_unit, split_gate_up
-from ..ops.quantized_experts import ACTIVATIONS, DYNAMIC, WEIGHT_ONLY, quantized_expert_products, require_cpu
-from ..quant import Fp8BlockWeights, GateUpRows, QuantizedWeights
+from ..ops.quantized_experts import WEIGHT_ONLY, check_activations, quantized_expert_products, require_cpu
+from ..quant import GateUpRows, QuantizedWeights
 from ._grouped import flatten_features, run_padded
 
 WHERE = "tutel.experts.quantized_swiglu"
@@ -103,13 +103,7 @@ def _check_stacks(model_dim: int, experts: int, up: QuantizedWeights, down: Quan
     if down.shape[1:] != (model_dim, hidden):
         raise ValueError(f"{WHERE}: `down` {down.shape} must be (experts, {model_dim}, {hidden}): model_dim "
                          f"outputs of the {hidden} hidden values")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"{WHERE}: `activations` must be one of {ACTIVATIONS}, got {activations!r}")
-    if activations == DYNAMIC:
-        for name, stack in stacks:
-            if not isinstance(stack, Fp8BlockWeights):
-                raise ValueError(f"{WHERE}: activations='dynamic' (W8A8) needs block-FP8 stacks; `{name}` is "
-                                 f"{type(stack).__name__}")
+    check_activations(activations, stacks, WHERE)
     return hidden
 
 

@@ -32,13 +32,12 @@ gate/up pass leaves the units' values of every choice in float32, the down pass 
 token's weighted rows).  It is made for 1 to 32 tokens (any number is computed correctly);
 there is no backward: it is for inference.
 """
-import contextlib
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from .checks import require_dim, require_floating, require_tensor, same_device
-from .extension import load_extension
+from .kernel_sets import KernelSets
 from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block")
@@ -53,36 +52,13 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # PyTorch 2.7 on
 _WHERE = "tutel.ops.decode_quantized_experts"
 
 
-def quantized_decode_kernels() -> str:
-    """The kernels the operator runs now: ``"avx512"``, ``"avx2"`` or ``"portable"``."""
-    return load_extension()._quantized_decode_kernels()
-
-
-def quantized_decode_kernel_sets() -> Tuple[str, ...]:
-    """The kernel sets this CPU runs, widest first (``"portable"`` always last)."""
-    return tuple(load_extension()._quantized_decode_kernel_sets())
-
-
-def set_quantized_decode_kernels(name: str) -> None:
-    """Makes the operator run the `name` kernels from now on, in every thread of the process:
-    ``"best"`` (the widest this CPU runs, the default) or one of ``quantized_decode_kernel_sets()``.
-
-    Raises ValueError for any other name."""
-    if not isinstance(name, str):
-        raise ValueError(f"set_quantized_decode_kernels: `name` must be 'best' or one of "
-                         f"{quantized_decode_kernel_sets()}, got {name!r}")
-    load_extension()._set_quantized_decode_kernels(name)
-
-
-@contextlib.contextmanager
-def using_quantized_decode_kernels(name: str) -> Iterator[None]:
-    """Runs the block's calls on the `name` kernels (see ``set_quantized_decode_kernels``), then
-    goes back to the best ones."""
-    set_quantized_decode_kernels(name)
-    try:
-        yield
-    finally:
-        set_quantized_decode_kernels("best")
+# The operator's kernel sets (tutel.ops.kernel_sets): which runs now, which this CPU runs, and the
+# switch between them.
+_KERNEL_SETS = KernelSets("quantized_decode")
+quantized_decode_kernels = _KERNEL_SETS.current
+quantized_decode_kernel_sets = _KERNEL_SETS.available
+set_quantized_decode_kernels = _KERNEL_SETS.choose
+using_quantized_decode_kernels = _KERNEL_SETS.using
 
 
 def _shape(t: torch.Tensor) -> Tuple[int, ...]:

@@ -221,6 +221,18 @@ def _compiled_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tens
         return quantized_grouped_linear(hidden, ends, down, down_bias).to(dtype)
 
 
+def check_activations(activations: object, stacks: Sequence[Tuple[str, QuantizedWeights]], where: str) -> None:
+    """ValueError (from `where`) unless `activations` is one of ACTIVATIONS and, for "dynamic",
+    every (name, stack) of `stacks` is block FP8."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{where}: `activations` must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == DYNAMIC:
+        for name, stack in stacks:
+            if not isinstance(stack, Fp8BlockWeights):
+                raise ValueError(f"{where}: activations='dynamic' (W8A8) quantizes activations per weight block and "
+                                 f"needs block-FP8 stacks; `{name}` is {type(stack).__name__}")
+
+
 def check_quantized_experts(up: object, down: object, gate_weight: object, gated: bool, activations: object,
                             where: str) -> int:
     """Checks the stacks of quantized experts against each other once (the formats checked their
@@ -237,13 +249,7 @@ def check_quantized_experts(up: object, down: object, gate_weight: object, gated
             raise TypeError(f"{where}: `{name}` must be a tutel.quant stack (Fp8BlockWeights, Mxfp4Weights, "
                             f"Nvfp4Weights), got {type(stack).__name__}")
         require_cpu(stack.device, f"{where}: `{name}`")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"{where}: `activations` must be one of {ACTIVATIONS}, got {activations!r}")
-    if activations == DYNAMIC:
-        for name, stack in stacks:
-            if not isinstance(stack, Fp8BlockWeights):
-                raise ValueError(f"{where}: activations='dynamic' (W8A8) quantizes activations per weight block and "
-                                 f"needs block-FP8 stacks; `{name}` is {type(stack).__name__}")
+    check_activations(activations, stacks, where)
     experts, width = up.experts, up.in_features
     for name, stack in stacks:
         if stack.experts != experts:

@@ -21,14 +21,13 @@ thread, laid out as the multiplying kernel reads it, and multiplies all of the e
 
 Inference only: there is no backward.
 """
-import contextlib
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
 from .checks import require_dim, require_floating, require_tensor, same_device
-from .extension import load_extension
+from .kernel_sets import KernelSets
 
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 END_DTYPES = (torch.int32, torch.int64)
@@ -37,37 +36,13 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # PyTorch 2.7 on
 _WHERE = "tutel.ops.quantized_grouped_linear"
 
 
-def quantized_linear_kernels() -> str:
-    """The kernels the operator runs now: ``"amx"`` (bfloat16 rows on AMX tiles, other rows on the
-    widest float kernels), ``"avx512"`` or ``"portable"``."""
-    return load_extension()._quantized_linear_kernels()
-
-
-def quantized_linear_kernel_sets() -> Tuple[str, ...]:
-    """The kernel sets this CPU runs, widest first (``"portable"`` always last)."""
-    return tuple(load_extension()._quantized_linear_kernel_sets())
-
-
-def set_quantized_linear_kernels(name: str) -> None:
-    """Makes the operator run the `name` kernels from now on, in every thread of the process:
-    ``"best"`` (the widest this CPU runs, the default) or one of ``quantized_linear_kernel_sets()``.
-
-    Raises ValueError for any other name."""
-    if not isinstance(name, str):
-        raise ValueError(f"set_quantized_linear_kernels: `name` must be 'best' or one of "
-                         f"{quantized_linear_kernel_sets()}, got {name!r}")
-    load_extension()._set_quantized_linear_kernels(name)
-
-
-@contextlib.contextmanager
-def using_quantized_linear_kernels(name: str) -> Iterator[None]:
-    """Runs the block's calls on the `name` kernels (see ``set_quantized_linear_kernels``), then
-    goes back to the best ones."""
-    set_quantized_linear_kernels(name)
-    try:
-        yield
-    finally:
-        set_quantized_linear_kernels("best")
+# The operator's kernel sets (tutel.ops.kernel_sets): which runs now, which this CPU runs, and the
+# switch between them.
+_KERNEL_SETS = KernelSets("quantized_linear")
+quantized_linear_kernels = _KERNEL_SETS.current
+quantized_linear_kernel_sets = _KERNEL_SETS.available
+set_quantized_linear_kernels = _KERNEL_SETS.choose
+using_quantized_linear_kernels = _KERNEL_SETS.using
 
 
 def _stack_arguments(stack: QuantizedWeights) -> tuple:

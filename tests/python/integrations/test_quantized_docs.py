@@ -3,7 +3,6 @@ start from a loaded model with a tiny model of that kind (a gpt-oss with its MXF
 tensors; a model with transformers' FP8 experts), which is what their first comment says they take."""
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 pytest.importorskip("transformers")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/python: the gpt-oss test's tiny model
 PAGE = os.path.join(HERE, "..", "..", "..", "docs", "quantized.md")
 
 from transformers_test_setup import one_intra_op_thread  # noqa: E402,F401  (autouse fixture)

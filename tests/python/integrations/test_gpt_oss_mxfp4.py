@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import quant_spec
+from transformers_test_setup import one_intra_op_thread  # noqa: F401  (autouse fixture)
 
 if os.environ.get("CI") == "true":
     import transformers  # noqa: F401  (CI installs transformers: missing is an error)
@@ -36,13 +37,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 # products' float32 accumulation)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def assert_close_to(actual, expected, dtype):
