@@ -85,7 +85,8 @@ gpu_tests=(tests/python/test_cuda_ops.py tests/python/test_cuda_routing_api.py t
            tests/python/distributed/test_dist_single_process.py tests/python/test_decode_experts.py
            tests/python/test_grouped_rows_linear.py tests/python/test_expert_rows.py tests/python/test_route_experts.py
            tests/python/test_expert_ops_composite.py tests/python/test_quant_formats.py
-           tests/python/test_quantized_experts.py tests/python/integrations/test_transformers_fp8_experts.py)
+           tests/python/test_quantized_experts.py tests/python/integrations/test_transformers_fp8_experts.py
+           tests/python/test_moe_quantized_experts.py tests/python/integrations/test_gpt_oss_mxfp4.py)
 wanted gpu_tests && TAIL_LINES=40 step gpu_tests "${TUTEL_GPU_TEST_SECONDS:-200}" "$py" -m pytest -p no:cacheprovider -n 12 \
     --timeout 120 -v --tb=short -rfE "${gpu_tests[@]}"
 
