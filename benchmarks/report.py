@@ -24,7 +24,7 @@ MULTI_PROCESS_BENCHMARKS = ("dist_alltoall",)  # optional: needs torch.distribut
 FRAMEWORK_BENCHMARKS = ("transformers_moe", "transformers_moe_16bit_large", "transformers_moe_full_size")
 KERNEL_BENCHMARKS = ("grouped_gemm",)  # optional: one operator in isolation
 # optional: experts with quantized weights (needs transformers for its bfloat16 baselines)
-QUANTIZED_BENCHMARKS = ("quantized_experts",)
+QUANTIZED_BENCHMARKS = ("quantized_experts", "quantized_linear")
 # optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
 CHANGE_BENCHMARKS = ("compare_builds", "host_cost")
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
@@ -989,6 +989,18 @@ def quantized_experts_section(result: dict) -> str:
             + format_table(targets, ["model", "T", "target", "value", "met"]))
 
 
+def quantized_linear_section(result: dict) -> str:
+    """tutel::quantized_grouped_linear against the bfloat16 grouped product (benchmarks/quantized_linear.py)."""
+    m = result["machine"]
+    experts, outputs, inner = result["shape"]
+    return ("### The quantized grouped product (`benchmarks/quantized_linear.py`)\n\n"
+            f"One stack of {experts} experts of {outputs} x {inner} weights times bfloat16 rows grouped by expert: "
+            "`tutel.ops.quantized_linear.quantized_grouped_linear` in each format against tutel's bfloat16 grouped "
+            "product (`grouped_rows_mm`) on the same weights dequantized to bfloat16.  Measured on: "
+            f"{m['cpu']} ({m['logical_cpus']} logical CPUs); torch {m['torch']}; finished "
+            f"{result.get('finished', '?')}.\n\n" + format_table(result["rows"], result["columns"]))
+
+
 def transformers_section(result: dict, picture: str = "") -> str:
     m, limits = result["machine"], result["limits"]
     rates = gemm_rates(limits)
@@ -1242,6 +1254,8 @@ def document(results: Dict[str, dict], images: str, doc_path: str) -> str:
         parts.append(host_cost_section(results["host_cost"]))
     if results.get("quantized_experts"):
         parts.append(quantized_experts_section(results["quantized_experts"]))
+    if results.get("quantized_linear"):
+        parts.append(quantized_linear_section(results["quantized_linear"]))
     if any(results.get(name) for name in GPU_BENCHMARKS):
         parts.append(gpu_section(results))
     parts.append(NOTES)

@@ -1,6 +1,7 @@
 // The tile products of quantized_products.h on AMX: each work item (an expert, 64 of its outputs)
-// decodes its matrix rows straight into B tiles, 16 rows x 32 values a step (decoded, rounded to
-// bfloat16 and transposed in registers, as tile_gemm_amx.cpp packs a bfloat16 matrix's rows), and
+// decodes its matrix rows straight into B tiles, 16 rows x 32 values a step (quantized_tile_steps_amx.h:
+// the code bytes transposed and decoded in the tiles' layout; steps whose scales that cannot take go
+// the slow way, decoded as floats, rounded and transposed in registers), and
 // multiplies the expert's token rows, packed once per call as A tiles, with them while they are in
 // the second-level cache: tile_products' packed [O, K] way, on decoded rows.
 // GCC 12's AVX-512 intrinsics start from undefined vectors, which its (maybe-)uninitialized warnings
@@ -17,8 +18,12 @@
 #include "work_balance.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <cmath>
+#include <limits>
+
 #include "amx_tiles.h"
 #include "quantized_steps_avx512.h"
+#include "quantized_tile_steps_amx.h"
 
 namespace tutel {
 namespace gemm {
@@ -29,33 +34,162 @@ using namespace amx_tiles;
 // Outputs per work item: four B tiles, whose rows are decoded once and then meet every token row.
 constexpr int64_t kItemOutputs = 64;
 
+// Step `step` of 16 matrix rows (those from `valid` on zero) as a B tile the slow way, which gives
+// every value's bits as decode_step and bf16_32 define them: decoded as floats row by row, rounded
+// to bfloat16 and transposed in registers (as pack_tile_rows packs a bfloat16 matrix's rows).
+template <core::QuantFormat F>
+TUTEL_AMX void transposed_step(const core::ByteTables& tables, const quantized_steps::RowCursor* rows, int64_t valid,
+                               const quantized_steps::Step& step, PackedTile& out) {
+  __m512i r[16];
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    if (i < valid) {
+      __m512 values[2];
+      quantized_steps::decode_step<F>(tables, rows[i], step, values);
+      r[i] = avx512::bf16_32(values[0], values[1]);
+    } else {
+      r[i] = _mm512_setzero_si512();
+    }
+  }
+  transpose_16x16(r);
+  for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out.pairs + i * kTileRows, r[i]);
+}
+
+// Whether a float factor f keeps every nonzero value times it (at least `smallest` in magnitude)
+// a normal float, and every value a number: f is zero, or finite and at least 2^-126 / smallest.
+inline bool keeps_normal(float f, float least_factor) {
+  const float a = std::fabs(f);
+  return a == 0.0f || (a >= least_factor && a <= std::numeric_limits<float>::max());
+}
+
+// The per-lane constants of each step of one tile (16 matrix rows) for quantized_tile_steps, and
+// whether the step may take them (else transposed_step decodes it): 32 words or floats a step.
+//   mxfp4: the exponent term of each row's scale, when every scale keeps the values normal;
+//   nvfp4: lanes 0..15 the factors of the step's first block per row, 16..31 of its second;
+//   fp8_block: the scale times 256 of row j / 2 in lane j, of row 8 + j / 2 in lane 16 + j, when
+//     the step lies in one block.
+// `scale_rows`: each row's scale bytes (the fp4 formats; rows past `valid` pointing at zeros).
+template <core::QuantFormat F>
+TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert, const core::ByteTables& tables,
+                                 const quantized_steps::RowCursor* rows, const uint8_t* const* scale_rows, int64_t valid,
+                                 int64_t steps, uint32_t* words, float* floats, uint8_t* fast) {
+  using namespace quantized_tile_steps;
+  const Shuffles& sh = shuffles();
+  const __mmask16 valid_lanes = __mmask16((uint32_t(1) << valid) - 1u);
+  std::fill(fast, fast + steps, uint8_t(1));
+  if (F == core::QuantFormat::kMxfp4) {  // one scale byte per step
+    for (int64_t s0 = 0; s0 < steps; s0 += 16) {
+      const int count = int(std::min<int64_t>(16, steps - s0));
+      __m512i octets[2][2];
+      fp4_octets(scale_rows, s0, count, sh, octets);
+      for (int c = 0; c < count; ++c) {
+        const __m512i scale = octet_lanes(octets, c, sh);
+        const __m512i add = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(scale, _mm512_set1_epi32(127)), 7),
+                                             _mm512_set1_epi32(0xffff));
+        _mm512_storeu_si512(words + (s0 + c) * 32, _mm512_or_si512(add, _mm512_slli_epi32(add, 16)));
+        // E2M1's nonzero values are 2^-1 .. 1.5 * 2^2: bfloat16 exponents 126 .. 129 before the add
+        const __mmask16 extreme = _mm512_mask_cmplt_epi32_mask(valid_lanes, scale, _mm512_set1_epi32(2)) |
+                                  _mm512_mask_cmpgt_epi32_mask(valid_lanes, scale, _mm512_set1_epi32(252));
+        if (extreme) fast[s0 + c] = 0;
+      }
+    }
+  } else if (F == core::QuantFormat::kNvfp4) {  // two scale bytes per step (one in a last half step)
+    std::fill(floats, floats + steps * 32, 0.0f);
+    const int64_t blocks = w.cols / core::kNvfp4Block;
+    const __m512 global = _mm512_set1_ps(w.global_scale(expert));
+    // |factor| == 0, or finite and at least 2^-125: the least nonzero E2M1 is 2^-1
+    const __m512 least = _mm512_set1_ps(0x1p-125f), most = _mm512_set1_ps(std::numeric_limits<float>::max());
+    for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+      const int count = int(std::min<int64_t>(16, blocks - b0));
+      __m512i octets[2][2];
+      fp4_octets(scale_rows, b0, count, sh, octets);
+      for (int c = 0; c < count; ++c) {
+        const int64_t block = b0 + c;
+        const __m512 factor =
+            _mm512_mul_ps(_mm512_i32gather_ps(octet_lanes(octets, c, sh), tables.e4m3, 4), global);
+        _mm512_storeu_ps(floats + block / 2 * 32 + block % 2 * 16, factor);
+        const __m512 size = _mm512_abs_ps(factor);
+        const __mmask16 normal = _mm512_cmp_ps_mask(size, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                                 (_mm512_cmp_ps_mask(size, least, _CMP_GE_OQ) &
+                                  _mm512_cmp_ps_mask(size, most, _CMP_LE_OQ));
+        if (normal != 0xffff) fast[block / 2] = 0;
+      }
+    }
+  } else {
+    std::fill(floats, floats + steps * 32, 0.0f);
+    for (int64_t s = 0; s < steps; ++s) {
+      const quantized_steps::Step step = quantized_steps::step_at(w, s * kInnerStep);
+      if (step.crossing) {
+        fast[s] = 0;
+        continue;
+      }
+      for (int64_t n = 0; n < valid; ++n) {
+        const float scale = rows[n].float_scales[step.block] * 256.0f;
+        floats[s * 32 + 16 * (n / 8) + 2 * (n % 8)] = floats[s * 32 + 16 * (n / 8) + 2 * (n % 8) + 1] = scale;
+        if (!keeps_normal(scale, 0x1p-109f)) fast[s] = 0;  // the least nonzero E4M3 is 2^-9, taken as 2^-17
+      }
+    }
+  }
+}
+
 // Matrix rows [o, o + 16 * tiles) of expert `expert` (zero from w.rows on and past w.cols) in the
 // format F as B tiles, step after step: out[tiles * s + t] pairs values (k, k + 1) of step s for
 // rows [o + 16 t, +16), as pack_tile_rows lays out a bfloat16 matrix's rows.  Each 16 rows are
 // decoded together, step after step, so that each streams.
 template <core::QuantFormat F>
-TUTEL_AMX void decode_matrix_tiles_of(const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t tiles,
-                                      PackedTile* out) {
+TUTEL_AMX_DECODE void decode_matrix_tiles_of(const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t tiles,
+                                             PackedTile* out) {
+  using namespace quantized_tile_steps;
   const core::ByteTables& tables = core::byte_tables();
+  const Shuffles& sh = shuffles();
   const int64_t steps = inner_steps(w.cols);
+  const int64_t row_bytes = w.code_bytes_per_row(), step_bytes = F == core::QuantFormat::kFp8Block ? 32 : 16;
+  constexpr int64_t kPrefetchBytes = 512;
+  // The tile's per-lane constants, kept per thread between calls.
+  static thread_local std::vector<uint32_t> words;
+  static thread_local std::vector<float> floats;
+  static thread_local std::vector<uint8_t> fast;
+  // What rows past the matrix read: zeros, as long as a row's codes or scales.
+  static thread_local std::vector<uint8_t> zeros;
+  if (fast.size() < size_t(steps)) {
+    words.resize(size_t(steps * 32));
+    floats.resize(size_t(steps * 32));
+    fast.resize(size_t(steps));
+  }
+  if (zeros.size() < size_t(w.code_bytes_per_row())) zeros.assign(size_t(w.code_bytes_per_row()), 0);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t first = o + t * kTileRows, valid = std::max<int64_t>(0, std::min(kTileRows, w.rows - first));
     quantized_steps::RowCursor rows[kTileRows];
-    for (int64_t i = 0; i < valid; ++i) rows[i] = quantized_steps::row_cursor(w, expert, first + i);
-    for (int64_t s = 0; s < steps; ++s) {
-      const quantized_steps::Step step = quantized_steps::step_at(w, s * kInnerStep);
-      __m512i r[16];
-      for (int64_t i = 0; i < kTileRows; ++i) {
-        if (i < valid) {
-          __m512 values[2];
-          quantized_steps::decode_step<F>(tables, rows[i], step, values);
-          r[i] = avx512::bf16_32(values[0], values[1]);
-        } else {
-          r[i] = _mm512_setzero_si512();
-        }
+    const uint8_t *codes[kTileRows], *scale_rows[kTileRows];
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      if (i < valid) {
+        rows[i] = quantized_steps::row_cursor(w, expert, first + i);
+        codes[i] = rows[i].codes;
+        scale_rows[i] = rows[i].byte_scales;
+      } else {
+        codes[i] = scale_rows[i] = zeros.data();
       }
-      transpose_16x16(r);
-      for (int64_t i = 0; i < kTileRows; ++i) _mm512_store_si512(out[s * tiles + t].pairs + i * kTileRows, r[i]);
+    }
+    tile_lanes<F>(w, expert, tables, rows, scale_rows, valid, steps, words.data(), floats.data(), fast.data());
+    for (int64_t s = 0; s < steps; ++s) {
+      PackedTile& tile = out[s * tiles + t];
+      const int64_t k = s * kInnerStep;
+      // Sixteen rows read 16 or 32 bytes a step are too many short streams for the hardware's
+      // prefetch: each row's line kPrefetchBytes on is asked for as the step enters a line, past
+      // a row's end the line of the row 16 on (the next tile's).
+      if ((k * step_bytes / kInnerStep) % 64 == 0) {
+        const int64_t ahead = k * step_bytes / kInnerStep + kPrefetchBytes;
+        const int64_t at = ahead < row_bytes ? ahead : ahead - row_bytes + kTileRows * row_bytes;
+        for (int64_t i = 0; i < valid; ++i) _mm_prefetch(reinterpret_cast<const char*>(codes[i] + at), _MM_HINT_T0);
+      }
+      if (!fast[size_t(s)]) {
+        transposed_step<F>(tables, rows, valid, quantized_steps::step_at(w, k), tile);
+      } else if (F == core::QuantFormat::kMxfp4) {
+        mxfp4_step(codes, k / 2, words.data() + s * 32, sh, tile);
+      } else if (F == core::QuantFormat::kNvfp4) {
+        nvfp4_step(codes, k / 2, w.cols - k < kInnerStep, floats.data() + s * 32, sh, tile);
+      } else {
+        fp8_step(codes, k, int(std::min(kInnerStep, w.cols - k)), floats.data() + s * 32, sh, tile);
+      }
     }
   }
 }
@@ -134,7 +268,9 @@ TUTEL_AMX void run_items(const QuantizedGroupedProducts<bfloat16>& call, const s
 
 }  // namespace
 
-bool quantized_tile_products_available() { return tile_products_available(); }
+bool quantized_tile_products_available() {
+  return tile_products_available() && quantized_tile_steps::quantized_tile_steps_available();
+}
 
 void quantized_tile_products(const QuantizedGroupedProducts<bfloat16>& call) {
   const int64_t inner = call.w.cols, steps = inner_steps(inner);

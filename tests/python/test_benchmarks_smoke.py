@@ -36,10 +36,11 @@ def results_dir(tmp_path_factory):
 
 EXPECTED_KEYS = {"layer": ["rows", "roofline", "profile"], "scaling": ["rows", "token_sweep", "expert_sweep"],
                  "dispatch": ["dispatch", "routing", "metadata"], "dropless": ["rows"], "grouped_gemm": ["rows"],
-                 "quantized_experts": ["rows", "targets"]}
+                 "quantized_experts": ["rows", "targets"], "quantized_linear": ["rows"]}
 
 
-@pytest.mark.parametrize("name", ["layer", "scaling", "dispatch", "dropless", "grouped_gemm", "quantized_experts"])
+@pytest.mark.parametrize("name", ["layer", "scaling", "dispatch", "dropless", "grouped_gemm", "quantized_experts",
+                                  "quantized_linear"])
 def test_benchmark_smoke_run_writes_json(name, results_dir, keep_threads):
     returned = load_script(name).main(["--smoke", "--threads", "1", "--out", results_dir])
     with open(os.path.join(results_dir, f"{name}.json")) as handle:

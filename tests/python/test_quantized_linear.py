@@ -223,3 +223,82 @@ def test_an_unknown_kernel_set_is_named():
     with pytest.raises(ValueError, match="not a kernel set this CPU runs"):
         set_quantized_linear_kernels("sse9")
     assert quantized_linear_kernels() == KERNEL_SETS[0]
+
+
+# ---- the decoding's special cases (bfloat16 rows) ---------------------------------------------
+
+def exact_bf16_weights_check(got, rows, ends, rounded):
+    """got against the float64 product of rows with `rounded` (each weight as bfloat16 holds it),
+    to the float32 sums' and the output's rounding only: a weight decoded one bfloat16 step off
+    fails it.  Weights below bfloat16's normal range may count as zero (AMX's bfloat16 products
+    take subnormal inputs as zero): their terms are allowed whole."""
+    x = rows.double()
+    subnormal = torch.where(rounded.abs() < 2.0 ** -126, rounded, torch.zeros_like(rounded))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        expected = x[start:end] @ rounded[expert].t()
+        magnitude = x[start:end].abs() @ rounded[expert].abs().t()
+        slack = x[start:end].abs() @ subnormal[expert].abs().t()
+        error = (got[start:end].double() - expected).abs()
+        bound = 2 ** -8 * expected.abs() + 2 ** -16 * magnitude + slack * (1 + 2 ** -8) + 1e-300
+        assert (error <= bound).all(), f"expert {expert}: error {(error / bound).max().item():.3g}x the bound"
+        start = end
+
+
+@pytest.mark.parametrize("scale_bytes, x_scale", [((2, 3, 4), 2.0 ** 100), ((250, 251, 252, 253, 254), 2.0 ** -110),
+                                                  ((100, 127, 150), 1.0), ((0, 1, 2, 127), 2.0 ** 100)])
+def test_mxfp4_scales_at_the_ends_of_bfloat16s_range(scale_bytes, x_scale):
+    # E8M0 scales near bfloat16's range ends, where an exponent added to the codes' bits would leave
+    # it; every code (zero and negative zero among them), magnitudes cut where the value would
+    # overflow float32 (scale 253: up to 3, 254: up to 1.5).  MXFP4 values are exact in bfloat16.
+    experts, outputs, features = 2, 37, 128
+    generator = torch.Generator().manual_seed(sum(scale_bytes))
+    choices = torch.tensor(scale_bytes, dtype=torch.uint8)
+    scales = choices[torch.randint(0, len(scale_bytes), (experts, outputs, features // 32), generator=generator)]
+    largest_code = torch.where(scales.long() >= 254, 3, torch.where(scales.long() == 253, 5, 7))
+    largest_code = largest_code.repeat_interleave(32, dim=2)  # per element
+    magnitude = torch.randint(0, 8, (experts, outputs, features), generator=generator) % (largest_code + 1)
+    sign = torch.randint(0, 2, (experts, outputs, features), generator=generator) * 8
+    codes = (magnitude + sign).to(torch.uint8)
+    stack = Mxfp4Weights(codes[..., 0::2] | (codes[..., 1::2] << 4), scales)
+    x = (torch.randn(40, features, generator=generator) * x_scale).to(torch.bfloat16)
+    ends = torch.tensor([17, 40])
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack)
+    assert torch.isfinite(got).all()
+    exact_bf16_weights_check(got, x, ends, stack.dequantize_reference(torch.float64))
+
+
+@pytest.mark.parametrize("global_scale", [0.01, 3e-36, 1e-39, 1e30])
+def test_nvfp4_factors_near_float32s_range_ends(global_scale):
+    # scale * global products from subnormal to huge: each weight is code * (scale * global), both
+    # products in float32, rounded to bfloat16 once.
+    packed = make_stack("nvfp4", 2, 33, 80, seed=4)
+    stack = Nvfp4Weights(packed.packed, packed.block_scales, torch.full((2,), global_scale))
+    x = (torch.randn(30, 80, generator=torch.Generator().manual_seed(5)) / global_scale ** 0.5).to(torch.bfloat16)
+    ends = torch.tensor([12, 30])
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack)
+    low, high = packed.packed & 15, packed.packed >> 4
+    codes = torch.stack([low, high], dim=-1).flatten(-2).long()
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    values = e2m1[codes % 8] * (1 - 2 * (codes // 8)).float()
+    factors = (stack.block_scales.float() * torch.tensor(global_scale, dtype=torch.float32)).repeat_interleave(16, 2)
+    exact_bf16_weights_check(got, x, ends, (values * factors).to(torch.bfloat16).double())
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.0, 1e-35, 1e-30, 1e35, -2.5])
+def test_fp8_block_scales_near_float32s_range_ends(scale):
+    # block scales from zero and subnormal products to huge ones, negative too: each weight is
+    # code * scale in float32, rounded to bfloat16 once.
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (2, 40, 96), dtype=torch.uint8, generator=generator)
+    codes[(codes & 0x7f) == 0x7f] = 0x3c  # no NaN codes
+    scales = torch.full((2, 1, 1), scale) * (1 + torch.rand(2, 1, 1, generator=generator))
+    stack = Fp8BlockWeights(codes.view(torch.float8_e4m3fn), scales, block=(128, 128))
+    x = (torch.randn(20, 96, generator=generator) / max(abs(scale), 1e-30) ** 0.5).to(torch.bfloat16)
+    ends = torch.tensor([9, 20])
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack)
+    weights = (codes.view(torch.float8_e4m3fn).float() * scales.float()).to(torch.bfloat16).double()
+    exact_bf16_weights_check(got, x, ends, weights)
