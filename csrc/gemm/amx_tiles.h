@@ -162,6 +162,39 @@ struct PackedRowsTimesPackedMatrix {
 // an item pass over them.
 constexpr int64_t kPackedSpanBlocks = 16;
 
+// The sums of a span's block pair q: C[i][j] (token tile i, output tile j) at
+// sums[q * kSpanSumsBlock + 16 i * kSpanSumsRow + 16 j], rows of 32 floats.
+constexpr int64_t kSpanSumsRow = 2 * kTileRows, kSpanSumsDown = kTileRows * kSpanSumsRow;
+constexpr int64_t kSpanSumsBlock = 2 * kSpanSumsDown;
+
+// Packed token rows (`blocks` tiles of 16 rows, `steps` steps each) times a matrix packed by output
+// tiles (`tiles` of them), kPackedSpanBlocks row tiles and two output tiles at a time; after each
+// such span, store(b_begin, b_end, t, two_o, sums) writes its sums out (laid out as above).
+template <class Store>
+TUTEL_AMX void packed_rows_times_packed_matrix(const PackedTile* rows, const PackedTile* matrix, int64_t steps,
+                                               int64_t blocks, int64_t tiles, Store&& store) {
+  alignas(64) float sums[kPackedSpanBlocks / 2 * kSpanSumsBlock];
+  for (int64_t b_begin = 0; b_begin < blocks; b_begin += kPackedSpanBlocks) {
+    const int64_t b_end = std::min(blocks, b_begin + kPackedSpanBlocks);
+    for (int64_t t = 0; t < tiles; t += 2) {
+      const bool two_o = tiles - t > 1;
+      for (int64_t b = b_begin; b < b_end; b += 2) {
+        float* const c = sums + (b - b_begin) / 2 * kSpanSumsBlock;
+        const BlockSums block_sums{{{c, c + kTileRows}, {c + kSpanSumsDown, c + kSpanSumsDown + kTileRows}},
+                                   kSpanSumsRow * int64_t(sizeof(float)), false};
+        run_block(b_end - b > 1, two_o, PackedRowsTimesPackedMatrix{rows, matrix, steps, b, tiles, t}, steps,
+                  block_sums);
+      }
+      store(b_begin, b_end, t, two_o, static_cast<const float*>(sums));
+    }
+  }
+}
+
+// Token row r's 32 sums of a span that starts at row tile b_begin (see packed_rows_times_packed_matrix).
+inline const float* span_row_sums(const float* sums, int64_t b_begin, int64_t r) {
+  return sums + (r / (2 * kTileRows) - b_begin / 2) * kSpanSumsBlock + r % (2 * kTileRows) * kSpanSumsRow;
+}
+
 }  // namespace amx_tiles
 }  // namespace gemm
 }  // namespace tutel

@@ -215,40 +215,27 @@ TUTEL_AMX inline void store_with_bias(bfloat16* y, __m512 sums, const float* bia
 }
 
 // One item: outputs [o_begin, o_end) of the expert's rows, whose A tiles are `rows`; `matrix`
-// holds inner_steps x 4 tiles of scratch.  The loop of tile_gemm_amx.cpp's outputs_by_inner_packed.
+// holds inner_steps x 4 tiles of scratch.
 TUTEL_AMX void run_item(const QuantizedGroupedProducts<bfloat16>& call, const QuantizedItem& item,
                         const PackedTile* rows, PackedTile* matrix) {
-  constexpr int64_t kRow = 2 * kTileRows, kDown = kTileRows * kRow, kBlock = 2 * kDown;
-  alignas(64) float sums[kPackedSpanBlocks / 2 * kBlock];
   const int64_t steps = inner_steps(call.w.cols), outputs = call.w.rows;
   const int64_t first_row = call.offsets[item.expert], row_count = call.offsets[item.expert + 1] - first_row;
   const int64_t blocks = (row_count + kTileRows - 1) / kTileRows;
   const int64_t tiles = (item.o_end - item.o_begin + kTileRows - 1) / kTileRows;
   const float* bias = call.bias ? call.bias + item.expert * outputs : nullptr;
   decode_matrix_tiles(call.w, item.expert, item.o_begin, tiles, matrix);
-  for (int64_t b_begin = 0; b_begin < blocks; b_begin += kPackedSpanBlocks) {
-    const int64_t b_end = std::min(blocks, b_begin + kPackedSpanBlocks);
-    for (int64_t t = 0; t < tiles; t += 2) {
-      const bool two_o = tiles - t > 1;
-      for (int64_t b = b_begin; b < b_end; b += 2) {
-        float* const c = sums + (b - b_begin) / 2 * kBlock;
-        const BlockSums block_sums{{{c, c + kTileRows}, {c + kDown, c + kDown + kTileRows}},
-                                   kRow * int64_t(sizeof(float)), false};
-        run_block(b_end - b > 1, two_o, PackedRowsTimesPackedMatrix{rows, matrix, steps, b, tiles, t}, steps,
-                  block_sums);
-      }
-      const int64_t o = item.o_begin + t * kTileRows;
-      const int64_t n0 = std::min(kTileRows, item.o_end - o), n1 = std::min(kTileRows, item.o_end - o - kTileRows);
-      const int64_t last = std::min(b_end * kTileRows, row_count);
-      for (int64_t r = b_begin * kTileRows; r < last; ++r) {
-        const int64_t q = r / (2 * kTileRows) - b_begin / 2, in_pair = r % (2 * kTileRows);
-        const float* const c = sums + q * kBlock + in_pair * kRow;
-        bfloat16* const y = call.y + (first_row + r) * call.y_stride + o;
-        store_with_bias(y, _mm512_load_ps(c), bias, o, n0);
-        if (two_o) store_with_bias(y + kTileRows, _mm512_load_ps(c + kTileRows), bias, o + kTileRows, n1);
-      }
+  const auto store = [&](int64_t b_begin, int64_t b_end, int64_t t, bool two_o, const float* sums) TUTEL_AMX {
+    const int64_t o = item.o_begin + t * kTileRows;
+    const int64_t n0 = std::min(kTileRows, item.o_end - o), n1 = std::min(kTileRows, item.o_end - o - kTileRows);
+    const int64_t last = std::min(b_end * kTileRows, row_count);
+    for (int64_t r = b_begin * kTileRows; r < last; ++r) {
+      const float* const c = span_row_sums(sums, b_begin, r);
+      bfloat16* const y = call.y + (first_row + r) * call.y_stride + o;
+      store_with_bias(y, _mm512_load_ps(c), bias, o, n0);
+      if (two_o) store_with_bias(y + kTileRows, _mm512_load_ps(c + kTileRows), bias, o + kTileRows, n1);
     }
-  }
+  };
+  packed_rows_times_packed_matrix(rows, matrix, steps, blocks, tiles, store);
 }
 
 // Runs the items this thread claims from `queue` until none is left.

@@ -166,40 +166,25 @@ TUTEL_AMX void pack_matrix_pairs(const SkinnyProduct<bfloat16>& p, int64_t o, in
 // as long as the tile products.
 TUTEL_AMX void outputs_by_inner_packed(const SkinnyProduct<bfloat16>& p, const PackedTile* rows, int64_t inner,
                                        int64_t o_begin, int64_t o_end, PackedTile* matrix) {
-  // The sums of a span's block pair q: C[i][j] (token tile i, output tile j) at
-  // sums[q * kBlock + 16 i * 32 + 16 j], rows of 32.
-  constexpr int64_t kRow = 2 * kTileRows, kDown = kTileRows * kRow, kBlock = 2 * kDown;
-  alignas(64) float sums[kPackedSpanBlocks / 2 * kBlock];
   const int64_t steps = inner_steps(inner);
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
   const int64_t tiles = (o_end - o_begin + kTileRows - 1) / kTileRows;
   pack_matrix_pairs(p, o_begin, o_end, tiles, inner, matrix);
-  for (int64_t b_begin = 0; b_begin < blocks; b_begin += kPackedSpanBlocks) {
-    const int64_t b_end = std::min(blocks, b_begin + kPackedSpanBlocks);
-    for (int64_t t = 0; t < tiles; t += 2) {
-      const bool two_o = tiles - t > 1;
-      for (int64_t b = b_begin; b < b_end; b += 2) {
-        float* const c = sums + (b - b_begin) / 2 * kBlock;
-        const BlockSums block_sums{{{c, c + kTileRows}, {c + kDown, c + kDown + kTileRows}},
-                                   kRow * int64_t(sizeof(float)), false};
-        run_block(b_end - b > 1, two_o, PackedRowsTimesPackedMatrix{rows, matrix, steps, b, tiles, t}, steps,
-                  block_sums);
-      }
-      // Each token row's 32 outputs from its row of the block's sums, plus bias.
-      const int64_t o = o_begin + t * kTileRows;
-      const int64_t n0 = std::min(kTileRows, o_end - o), n1 = std::min(kTileRows, o_end - o - kTileRows);
-      const __m512 bias0 = load_bias(p.bias, o, n0);
-      const __m512 bias1 = two_o ? load_bias(p.bias, o + kTileRows, n1) : _mm512_setzero_ps();
-      const int64_t last = std::min(b_end * kTileRows, p.rows);
-      for (int64_t r = b_begin * kTileRows; r < last; ++r) {
-        const int64_t q = r / (2 * kTileRows) - b_begin / 2, in_pair = r % (2 * kTileRows);
-        const float* const c = sums + q * kBlock + in_pair * kRow;
-        bfloat16* const y = p.y + r * p.y_stride + o;
-        store_outputs(y, _mm512_add_ps(_mm512_load_ps(c), bias0), n0);
-        if (two_o) store_outputs(y + kTileRows, _mm512_add_ps(_mm512_load_ps(c + kTileRows), bias1), n1);
-      }
+  const auto store = [&](int64_t b_begin, int64_t b_end, int64_t t, bool two_o, const float* sums) TUTEL_AMX {
+    // Each token row's 32 outputs from its row of the block's sums, plus bias.
+    const int64_t o = o_begin + t * kTileRows;
+    const int64_t n0 = std::min(kTileRows, o_end - o), n1 = std::min(kTileRows, o_end - o - kTileRows);
+    const __m512 bias0 = load_bias(p.bias, o, n0);
+    const __m512 bias1 = two_o ? load_bias(p.bias, o + kTileRows, n1) : _mm512_setzero_ps();
+    const int64_t last = std::min(b_end * kTileRows, p.rows);
+    for (int64_t r = b_begin * kTileRows; r < last; ++r) {
+      const float* const c = span_row_sums(sums, b_begin, r);
+      bfloat16* const y = p.y + r * p.y_stride + o;
+      store_outputs(y, _mm512_add_ps(_mm512_load_ps(c), bias0), n0);
+      if (two_o) store_outputs(y + kTileRows, _mm512_add_ps(_mm512_load_ps(c + kTileRows), bias1), n1);
     }
-  }
+  };
+  packed_rows_times_packed_matrix(rows, matrix, steps, blocks, tiles, store);
 }
 
 // [K, O] matrices are read in chunks of matrix rows across all of a work item's columns (whole
