@@ -1,4 +1,4 @@
-/* What the expert kernels (grouped_rows_gemm.cu, decode_experts.cu) and their host code
+/* What the expert kernels (grouped_rows_gemm.cu, decode_experts.cu, quantized_decode.cu) and their host code
  * (csrc/cuda/launch_plan.h, csrc/ops/cuda) agree on: tile shapes and the argument structs
  * passed by value.  Plain C, read by both compilers. */
 #ifndef TUTEL_EXPERT_ABI_H
@@ -44,6 +44,33 @@ struct TutelDecodeUnit {
   double limit;
   int clamped;
   int interleaved;
+};
+
+/* quantized_decode.cu: the unit between the two products (as csrc/core/quantized_decode.h's
+ * ExpertActivation): the gated unit of TutelDecodeUnit over gate and up rows, or an up-only unit. */
+#define TUTEL_UNIT_GATED 0
+#define TUTEL_UNIT_GELU 1
+#define TUTEL_UNIT_GELU_TANH 2
+#define TUTEL_UNIT_RELU 3
+
+/* quantized_decode.cu: the weight formats (as csrc/core/quant_codes.h's QuantFormat). */
+#define TUTEL_QUANT_MXFP4 0
+#define TUTEL_QUANT_NVFP4 1
+#define TUTEL_QUANT_FP8_BLOCK 2
+
+/* quantized_decode.cu: one stack [E, rows, cols] of expert matrices, every array contiguous:
+ * codes uint8 [E, rows, cols / 2] (two E2M1 codes a byte, the even element in the low nibble) or
+ * E4M3 bytes [E, rows, cols] (fp8_block); scales E8M0 bytes [E, rows, cols / 32] (mxfp4), E4M3
+ * bytes [E, rows, cols / 16] (nvfp4) or float32 [E, ceil(rows / block_rows), ceil(cols /
+ * block_cols)] (fp8_block); global: nvfp4's float32 [E] scale per matrix, else 0. */
+struct TutelQuantMatrix {
+  const unsigned char* codes;
+  const void* scales;
+  const float* global;
+  long long rows;
+  long long cols;
+  long long block_rows;
+  long long block_cols;
 };
 
 #endif /* TUTEL_EXPERT_ABI_H */

@@ -58,5 +58,32 @@ DecodePlan plan_decode_experts(int64_t tokens, int64_t k, int64_t hidden, int64_
   return plan;
 }
 
+namespace {
+
+// Whether a quantized stack with rows of `cols` elements is read in 16-byte chunks of codes.
+bool quantized_chunks(int format, int64_t cols, int64_t block_cols, const void* codes) {
+  const int64_t row_bytes = format == TUTEL_QUANT_FP8_BLOCK ? cols : cols / 2;
+  if (format == TUTEL_QUANT_FP8_BLOCK && block_cols % 16 != 0) return false;
+  return row_bytes % 16 == 0 && aligned_16({codes});
+}
+
+}  // namespace
+
+DecodePlan plan_quantized_decode(int64_t tokens, int64_t k, int64_t hidden, int64_t inter, int64_t out_features,
+                                 int format, int64_t block_cols, int64_t element_size, const void* x,
+                                 int64_t x_stride, const void* gate_up_codes, const void* down_codes) {
+  DecodePlan plan;
+  const int64_t width = 16 / element_size;  // activations per 16-byte load
+  plan.gate_up_vector = quantized_chunks(format, hidden, block_cols, gate_up_codes) && x_stride % width == 0 &&
+                        aligned_16({x});
+  plan.down_vector = quantized_chunks(format, inter, block_cols, down_codes);
+  const int64_t pairs = tokens * k;
+  // At least one gate/up tile: its blocks also zero the counters and the tokens without a choice.
+  plan.gate_up_grid = Grid{pairs, std::max<int64_t>(1, blocks_for(inter, TUTEL_DECODE_ROWS))};
+  plan.down_grid = Grid{pairs, blocks_for(out_features, TUTEL_DECODE_ROWS)};
+  plan.counter_ints = tokens * plan.down_grid.y;
+  return plan;
+}
+
 }  // namespace cuda
 }  // namespace tutel

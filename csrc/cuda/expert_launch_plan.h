@@ -1,5 +1,5 @@
 // How the CUDA operators of the expert products launch their kernels (grouped_rows_gemm.cu,
-// decode_experts.cu): grids, kernel choices and scratch sizes for given problem sizes.  Plain
+// decode_experts.cu, quantized_decode.cu): grids, kernel choices and scratch sizes for given problem sizes.  Plain
 // C++ with no CUDA or framework dependency, shared by the operators (csrc/ops/cuda) and the CPU
 // execution of the kernels (tests/cpp/kernels_on_cpu), as launch_plan.h is for the others.
 #pragma once
@@ -49,6 +49,19 @@ struct DecodePlan {
 DecodePlan plan_decode_experts(int64_t tokens, int64_t k, int64_t hidden, int64_t inter, int64_t out_features,
                                bool transposed, int64_t element_size, const void* x, int64_t x_stride,
                                std::initializer_list<const void*> up_matrices, const void* down_matrix);
+
+// -------------------------------------------------- quantized_decode.cu --
+// The gate/up kernel (quantized_gate_up_<format>_{vector,scalar}) and the down kernel
+// (quantized_down_*), with decode_experts' grids (F.linear layout), scratch and counters.  A
+// stack's kernel reads 16-byte chunks of codes where its rows are a whole number of them, its
+// codes are 16-byte aligned and, for fp8_block, its scale blocks are a multiple of 16 columns wide
+// (one scale per chunk); the gate/up kernel also reads the x rows 16 bytes at a time (x aligned,
+// its row stride a multiple of 16 bytes), the down kernel the h scratch (allocated aligned).
+// format: TUTEL_QUANT_*; block_cols: fp8_block's scale block width (else unused).  For tokens, k,
+// out_features >= 1.
+DecodePlan plan_quantized_decode(int64_t tokens, int64_t k, int64_t hidden, int64_t inter, int64_t out_features,
+                                 int format, int64_t block_cols, int64_t element_size, const void* x,
+                                 int64_t x_stride, const void* gate_up_codes, const void* down_codes);
 
 }  // namespace cuda
 }  // namespace tutel

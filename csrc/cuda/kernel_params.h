@@ -152,6 +152,68 @@ struct grouped_rows_weight_grad {
   using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, AnyPointer, int64_t, int64_t, int64_t, int64_t, int, int, AnyPointer, AnyPointer>;
 };
 
+// kernels/quantized_decode.cu
+struct quantized_down_fp8_block_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_fp8_block_scalar";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_down_fp8_block_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_fp8_block_vector";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_down_mxfp4_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_mxfp4_scalar";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_down_mxfp4_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_mxfp4_vector";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_down_nvfp4_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_nvfp4_scalar";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_down_nvfp4_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_down_nvfp4_vector";
+  using params = KernelParams<AnyPointer, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, int64_t, AnyPointer, AnyPointer, AnyPointer>;
+};
+struct quantized_gate_up_fp8_block_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_fp8_block_scalar";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+struct quantized_gate_up_fp8_block_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_fp8_block_vector";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+struct quantized_gate_up_mxfp4_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_mxfp4_scalar";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+struct quantized_gate_up_mxfp4_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_mxfp4_vector";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+struct quantized_gate_up_nvfp4_scalar {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_nvfp4_scalar";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+struct quantized_gate_up_nvfp4_vector {
+  static constexpr const char* file = "quantized_decode.cu";
+  static constexpr const char* function = "quantized_gate_up_nvfp4_vector";
+  using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
+};
+
 // kernels/route_experts.cu
 struct route_experts_backward {
   static constexpr const char* file = "route_experts.cu";

@@ -39,7 +39,7 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
     const c10::optional<at::Tensor>& gate_up_global, const at::Tensor& down, const at::Tensor& down_scales,
     const c10::optional<at::Tensor>& down_global, at::IntArrayRef block, const c10::optional<at::Tensor>& gate_up_bias,
     const c10::optional<at::Tensor>& down_bias, const std::string& activation, double alpha, double up_offset,
-    c10::optional<double> limit, bool interleaved) {
+    c10::optional<double> limit, bool interleaved, bool routing_as_given) {
   DecodeQuantizedExpertsArgs a;
   a.format = quant_format_of(format, kOp);
   a.unit.activation = activation_of(activation);
@@ -49,8 +49,13 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
                    ": `x` must be float32, bfloat16 or float16, got ", dtype);
   a.x = x.size(1) <= 1 || x.stride(1) == 1 ? x : x.contiguous();
   check_routed_choices(x, expert_ids, weights, kOp);
-  a.expert_ids = expert_ids.to(at::kLong).contiguous();
-  if (weights.has_value()) a.weights = weights->to(at::kFloat).contiguous();
+  if (routing_as_given) {
+    a.expert_ids = expert_ids;
+    if (weights.has_value()) a.weights = *weights;
+  } else {
+    a.expert_ids = expert_ids.to(at::kLong).contiguous();
+    if (weights.has_value()) a.weights = weights->to(at::kFloat).contiguous();
+  }
   if (a.format == core::QuantFormat::kFp8Block) {
     TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", kOp,
                       ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);

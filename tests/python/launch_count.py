@@ -53,6 +53,10 @@ CUDA_LAUNCHES = {
     "tutel.group_by_expert.default": 2,
     "tutel.route_experts.default": 2,
     "tutel.decode_experts.default": 2,
+    # gate/up and down; fp8_block's scales other than float32 are converted to float32 first
+    "tutel.decode_quantized_experts.default":
+        lambda x, ids, weights, format, gate_up, gate_up_scales, gate_up_global, down, down_scales, *rest:
+        2 + (format == "fp8_block") * ((gate_up_scales.dtype != torch.float32) + (down_scales.dtype != torch.float32)),
     "tutel.add_expert_bias_.default": 1,
     "tutel.expert_row_sums.default": 1,
     "tutel.choice_rows.default": 1,

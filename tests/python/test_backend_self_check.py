@@ -15,7 +15,8 @@ from tutel.ops.self_check import OPERATORS, compare_operators
 
 native = torch.ops.tutel
 CPU = torch.device("cpu")
-ROUNDED_SUMS = ("expert_row_sums", "grouped_rows_linear", "grouped_rows_linear_backward", "decode_experts")
+ROUNDED_SUMS = ("expert_row_sums", "grouped_rows_linear", "grouped_rows_linear_backward", "decode_experts",
+                "decode_quantized_experts")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Routed experts with quantized weights at decoding sizes, on the CPU: tutel's
+"""Routed experts with quantized weights at decoding sizes, on the CPU and CUDA: tutel's
 ``decode_quantized_experts`` operator.
 
 ``decode_quantized_experts(x, expert_ids, weights, format, gate_up, gate_up_scales, down, down_scales, ...)``
@@ -25,17 +25,23 @@ held in one of three formats and decoded as they are read:
 then holds 2I rows, the gates then the ups, or alternating when ``unit.interleaved``) or one of
 ``"gelu"``, ``"gelu_tanh"``, ``"relu"`` (gate_up holds I up rows, no gate).
 
-Each routed expert's codes are streamed once per call, decoded in registers (AVX-512 or AVX2 with
-FMA and F16C where the CPU has them, portable loops otherwise), and the gate/up products, the unit, the
+Each routed expert's codes are streamed once per call, decoded in registers (on the CPU AVX-512 or
+AVX2 with FMA and F16C where the CPU has them, portable loops otherwise; on CUDA the kernels of
+kernels/quantized_decode.cu, 16 bytes of codes a load), and the gate/up products, the unit, the
 down products and the weighted sum run fused with float32 sums, in two parallel passes (the
 gate/up pass leaves the units' values of every choice in float32, the down pass adds each
-token's weighted rows).  It is made for 1 to 32 tokens (any number is computed correctly);
-there is no backward: it is for inference.
+token's weighted rows).  On CUDA the two passes are two kernel launches with no host
+synchronisation, so CUDA graphs capture the call; where those kernels fail the first-use self-check
+on a device (tutel.ops.backend), the composite operator (tutel.ops.composite, one float32 product
+per chosen expert after dequantizing it, which reads the chosen experts back to the host) runs
+instead.  It is made for 1 to 32 tokens (any number is computed correctly); there is no backward:
+it is for inference.
 """
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from .backend import operators_for
 from .checks import require_dim, require_floating, require_tensor, same_device
 from .kernel_sets import KernelSets
 from .gated_units import SWIGLU, GatedUnit, check_unit, unit_scalars
@@ -49,6 +55,8 @@ EXPERT_ID_DTYPES = (torch.int32, torch.int64)
 DEFAULT_FP8_BLOCK = (128, 128)
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # PyTorch 2.7 on
+#: The device types with a kernel of the operator.
+_DEVICES = ("cpu", "cuda")
 _WHERE = "tutel.ops.decode_quantized_experts"
 
 
@@ -183,10 +191,11 @@ def decode_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
                              down_bias: Optional[torch.Tensor] = None,
                              unit: Union[GatedUnit, str] = SWIGLU) -> torch.Tensor:
     """The weighted sum of each token's routed experts with quantized weights, for inference on
-    the CPU (see the module docstring for the formula and the formats).
+    the CPU or a CUDA device (see the module docstring for the formula and the formats).
 
     Args:
-        x: [T, H] token rows, float32, bfloat16 or float16, on the CPU.
+        x: [T, H] token rows, float32, bfloat16 or float16, on the CPU or a CUDA device (every
+            other tensor on the same device).
         expert_ids: [T, k] int32 or int64; an id outside [0, E) is a dropped choice.
         weights: [T, k] routing weights of any floating dtype (taken as float32), or None for 1.
         format: ``"mxfp4"``, ``"nvfp4"`` or ``"fp8_block"``.
@@ -215,8 +224,8 @@ def decode_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
     require_tensor(x, "x", _WHERE)
     _check_dtype(x, "x", ACTIVATION_DTYPES, "float32, bfloat16 or float16")
     require_dim(x, 2, "x", _WHERE)
-    if x.device.type != "cpu":
-        raise ValueError(f"{_WHERE}: runs on the CPU, but `x` is on {x.device}")
+    if x.device.type not in _DEVICES:
+        raise ValueError(f"{_WHERE}: runs on the CPU and CUDA devices, but `x` is on {x.device}")
     _check_routing(x, expert_ids, weights)
     if format not in FORMATS:
         raise ValueError(f"{_WHERE}: `format` must be one of {FORMATS}, got {format!r}")
@@ -242,7 +251,9 @@ def decode_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
                                        for t in (x, weights, gate_up_bias, down_bias)):
         raise RuntimeError(f"{_WHERE} is for inference and has no backward, but an input requires a gradient: "
                            "call it under torch.no_grad() or torch.inference_mode()")
-    return torch.ops.tutel.decode_quantized_experts(
+    # The compiled operator, or on a CUDA device whose kernels failed tutel.ops.backend's first-use
+    # self-check, the composite one.
+    return operators_for(x.device).decode_quantized_experts(
         x, expert_ids, weights, format, gate_up, gate_up_scales, gate_up_global, down, down_scales, down_global,
         list(fp8_block) if format == "fp8_block" else [], gate_up_bias, down_bias, activation, alpha, up_offset,
         limit, interleaved)

@@ -6,10 +6,11 @@ tutel.check``.  The implementations are parameters (objects with the operators
 as attributes, like ``torch.ops.tutel``), so the comparison itself is tested on
 the CPU.  Moves, counts, slots and route_experts' choices and plan must agree
 exactly; the dot products of the gate gradient, route_experts' weights and loss,
-decode_experts' sums and the other reductions summed in another order, to their
-dtype's rounding.
+decode_experts' and decode_quantized_experts' sums and the other reductions summed
+in another order, to their dtype's rounding.
 """
 import contextlib
+import math
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from ..rules.lines import DECODE_MAX_CHOICES, DECODE_MAX_TOKENS  # the decode ke
 OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
              "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "add_expert_bias_",
              "expert_row_sums", "choice_rows", "grouped_rows_linear", "grouped_rows_linear_backward", "route_experts",
-             "decode_experts")
+             "decode_experts", "decode_quantized_experts")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
@@ -52,6 +53,9 @@ _ROUTING_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float3
 # decode_experts' [T, O] result: the accumulation dtype's sums of a few hundred products of size ~1,
 # then one rounding to the data dtype (the CPU operator also rounds the gated unit's values to it).
 _DECODE_EXPERTS = "decode_experts"
+# decode_quantized_experts' [T, O] result: float32 sums of a few hundred products of size ~1 with
+# exactly decoded weights, then one rounding to the data dtype, as decode_experts' in float32.
+_DECODE_QUANTIZED = "decode_quantized_experts"
 _DECODE_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4),
                       torch.bfloat16: dict(rtol=4e-2, atol=4e-2), torch.float16: dict(rtol=6e-3, atol=6e-3)}
 # Operators that write their result into an argument (its number) and return nothing.
@@ -151,6 +155,7 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
         yield from _expert_row_cases(s, tag, rows_generator)
         yield from _route_experts_cases(s, tag, routing_generator)
         yield from _decode_experts_cases(s, routing_generator)
+        yield from _decode_quantized_cases(s, routing_generator)
         yield Case("assign_locations", f"{tag} token order",
                    (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
         for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
@@ -353,6 +358,69 @@ def _decode_experts_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
                         interleaved, gate))
 
 
+# decode_quantized_experts' units in turn: (activation, alpha, up_offset, limit, interleaved).
+_QUANTIZED_UNITS = (("gated", 1.0, 0.0, None, False), ("gated", 1.702, 1.0, 1.5, True), ("gelu", 1.0, 0.0, None, False),
+                    ("gelu_tanh", 1.0, 0.0, None, False), ("relu", 1.0, 0.0, None, False))
+
+
+def _quantized_stack(format: str, experts: int, rows: int, cols: int, block: Sequence[int],
+                     g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(codes, scales, global) of one random [experts, rows, cols] stack whose rows' products with
+    unit-sized activations stay near 1: every fp4 code; E4M3 codes up to 2^2 (subnormals included)."""
+    shift = max(0, round(math.log2(math.sqrt(cols))))
+    if format == "fp8_block":
+        magnitude = torch.randint(0, 72, (experts, rows, cols), generator=g, dtype=torch.int32)  # exponents 0..8
+        sign = torch.randint(0, 2, (experts, rows, cols), generator=g, dtype=torch.int32) << 7
+        codes = (magnitude | sign).to(torch.uint8).view(torch.float8_e4m3fn)
+        grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
+        scales = (torch.rand(grid, generator=g) * 1.5 + 0.5) * 2.0 ** -shift
+        return codes, scales, None
+    codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    if format == "mxfp4":
+        scales = torch.randint(124 - shift, 128 - shift, (experts, rows, cols // 32), generator=g,
+                               dtype=torch.int32).to(torch.uint8)
+        return codes, scales, None
+    scale_bytes = torch.randint(40, 72, (experts, rows, cols // 16), generator=g, dtype=torch.int32)  # 0.25..3.75
+    global_scale = (torch.rand(experts, generator=g) * 0.2 + 0.15) * 2.0 ** -shift
+    return codes, scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn), global_scale
+
+
+def _decode_quantized_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
+    """decode_quantized_experts at decoding sizes (up to DECODE_MAX_TOKENS tokens) in every
+    activation dtype, the three formats and the five units in turn: rows of whole 16-byte chunks and
+    of other lengths, fp8_block with 16 x 16 and partial 128 x 128 blocks, int32 and int64 ids with
+    dropped choices, biases and routing weights or none."""
+    tokens = min(s.tokens, DECODE_MAX_TOKENS)
+    k = max(1, min(s.k, DECODE_MAX_CHOICES // max(tokens, 1)))
+    for number, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        for form in range(2):
+            format = ("mxfp4", "nvfp4", "fp8_block")[(number + form + s.model_dim) % 3]
+            activation, alpha, up_offset, limit, interleaved = _QUANTIZED_UNITS[(2 * number + form + s.k) % 5]
+            if format == "fp8_block":
+                block = [16, 16] if form == 0 else [128, 128]
+                hidden, inter = (64, 48) if form == 0 else (s.model_dim * 3 + 133, 40)
+            else:
+                block = []
+                width = 32 if format == "mxfp4" else 16
+                hidden, inter = width * (2 + form + s.model_dim % 3), width * (1 + form)
+            outputs = s.model_dim + 3
+            up_rows = 2 * inter if activation == "gated" else inter
+            gate_up = _quantized_stack(format, s.experts, up_rows, hidden, block, g)
+            down = _quantized_stack(format, s.experts, outputs, inter, block, g)
+            ids = torch.randint(-1, s.experts + 1, (tokens, k), generator=g)  # -1 and E: dropped
+            ids = ids.to(torch.int64 if form else torch.int32)
+            weights = None if number == 2 and form else (torch.rand(tokens, k, generator=g) + 0.25).to(
+                torch.bfloat16 if form else torch.float32)
+            biased = form == 1 or interleaved
+            gate_up_bias = torch.randn(s.experts, up_rows, generator=g) * 0.5 if biased else None
+            down_bias = torch.randn(s.experts, outputs, generator=g) * 0.5 if biased else None
+            x = torch.randn(tokens, hidden, generator=g).to(dtype)
+            yield Case(_DECODE_QUANTIZED, f"{str(dtype).replace('torch.', '')} {format} {activation} tokens={tokens} "
+                                          f"k={k} experts={s.experts} H={hidden} I={inter} O={outputs} block={block}",
+                       (x, ids, weights, format, gate_up[0], gate_up[1], gate_up[2], down[0], down[1], down[2],
+                        block, gate_up_bias, down_bias, activation, alpha, up_offset, limit, interleaved))
+
+
 def _to(value, device: torch.device, keep_layout: bool = False):
     if not isinstance(value, torch.Tensor):
         return value
@@ -377,8 +445,8 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
     if operator in _UNITS:
         return _compare_unit_values(number, expected, got)
-    if (operator == _ROUTE_EXPERTS and number in _ROUTING_FLOATS) or operator == _DECODE_EXPERTS:
-        tolerances = _DECODE_TOLERANCES if operator == _DECODE_EXPERTS else _ROUTING_TOLERANCES
+    if (operator == _ROUTE_EXPERTS and number in _ROUTING_FLOATS) or operator in (_DECODE_EXPERTS, _DECODE_QUANTIZED):
+        tolerances = _ROUTING_TOLERANCES if operator == _ROUTE_EXPERTS else _DECODE_TOLERANCES
         close = torch.isclose(got, expected, equal_nan=True, **tolerances[expected.dtype])
         if bool(close.all()):
             return None

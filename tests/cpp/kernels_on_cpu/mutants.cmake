@@ -3,25 +3,36 @@
 # when that test reports a failure, so a test that stops catching the bug fails the suite.  A
 # mutant whose text is no longer in the kernel fails the configure step: update it with the kernel.
 #
-# tutel_kernel_mutant(KERNEL NAME VARIANT FIND REPLACE): kernels/KERNEL.cu with the one occurrence
-# of FIND replaced by REPLACE, tested in its variant VARIANT (a -D define of its `// variants:`).
+# tutel_kernel_mutant(KERNEL NAME VARIANT FIND REPLACE [FILE]): kernels/KERNEL.cu with the one
+# occurrence of FIND replaced by REPLACE, tested in its variant VARIANT (a -D define of its
+# `// variants:`).  With FILE, a header of kernels/ that KERNEL.cu includes by a quoted name is
+# the file mutated instead: the mutated header and a copy of KERNEL.cu go side by side, so that
+# the copy's include finds the mutated header before the one in kernels/.
 
 function(tutel_kernel_mutant kernel name variant find replace)
-  set(original ${CMAKE_CURRENT_SOURCE_DIR}/kernels/${kernel}.cu)
+  set(mutated_file ${kernel}.cu)
+  if(ARGC GREATER 5)
+    set(mutated_file ${ARGV5})
+  endif()
+  set(original ${CMAKE_CURRENT_SOURCE_DIR}/kernels/${mutated_file})
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${original})
   file(READ ${original} source)
   string(FIND "${source}" "${find}" first)
   string(FIND "${source}" "${find}" last REVERSE)
   if(first EQUAL -1 OR NOT first EQUAL last)
-    message(FATAL_ERROR "mutant ${kernel}.${name}: its text must occur exactly once in kernels/${kernel}.cu "
+    message(FATAL_ERROR "mutant ${kernel}.${name}: its text must occur exactly once in kernels/${mutated_file} "
                         "(tests/cpp/kernels_on_cpu/mutants.cmake):\n${find}")
   endif()
   string(LENGTH "${find}" find_length)
   string(SUBSTRING "${source}" 0 ${first} before)
   math(EXPR after_start "${first} + ${find_length}")
   string(SUBSTRING "${source}" ${after_start} -1 after)
+  file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/mutants/${name}/${mutated_file} "${before}${replace}${after}")
   set(mutated ${CMAKE_CURRENT_BINARY_DIR}/mutants/${name}/${kernel}.cu)
-  file(WRITE ${mutated} "${before}${replace}${after}")
+  if(NOT mutated_file STREQUAL "${kernel}.cu")
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/kernels/${kernel}.cu)
+    configure_file(${CMAKE_CURRENT_SOURCE_DIR}/kernels/${kernel}.cu ${mutated} COPYONLY)
+  endif()
 
   set(target kernel_mutant_${kernel}_${name})
   add_executable(${target} ${TUTEL_EMULATION_DIR}/${kernel}_cu_test.cpp)
@@ -48,7 +59,7 @@ tutel_kernel_mutant(decode_experts gate_up_partials_without_barrier TUTEL_DTYPE_
   "    if ((int)threadIdx.x < TUTEL_DECODE_COLUMNS * count) {\n      const int m = threadIdx.x / TUTEL_DECODE_COLUMNS, c = threadIdx.x % TUTEL_DECODE_COLUMNS;\n      const i64 i = first_unit + c;")
 tutel_kernel_mutant(decode_experts combine_without_routing_weight TUTEL_DTYPE_BFLOAT16
   "const acc_t w = routing_weight(r, t, j);"
-  "const acc_t w = acc_t(1);")
+  "const acc_t w = acc_t(1);" decode_routing.cuh)
 
 # Cross-block ordering (issue 46, guards for GPU-only faults): a block that publishes its data and
 # then signals with an atomic, without the fence between.  Only the weak-memory model of the
@@ -57,9 +68,27 @@ tutel_kernel_mutant(decode_experts combine_without_routing_weight TUTEL_DTYPE_BF
 # before they are fenced, so the block completing a token's count sums stale rows.
 tutel_kernel_mutant(decode_experts combine_without_fence TUTEL_DTYPE_FLOAT32
   "  __threadfence();  // this thread's y stores are visible to the block that combines them\n"
-  "")
+  "" decode_routing.cuh)
 # route_experts.cu: route_experts_plan's phases counted done before the block's stores are fenced
 # (claiming positions, scanned columns, ...), so the blocks of the next phase read stale ones.
 tutel_kernel_mutant(route_experts phase_done_without_fence TUTEL_DTYPE_FLOAT32
   "  __shared__ int completes;\n  __threadfence();\n  __syncthreads();"
   "  __shared__ int completes;\n  __syncthreads();")
+
+# quantized_decode.cu (issue 45): the E2M1 codes of a byte read in the wrong order (the even
+# element is the low nibble), E8M0 scales read with bias 128 instead of 127, fp8_block's scale
+# block along K found one element off (caught where a block boundary falls inside the lanes'
+# chunks: the one-byte kernels of rows such as K = 200 with 128-wide blocks), and nvfp4's
+# per-matrix scale left out of the down products.
+tutel_kernel_mutant(quantized_decode nibbles_swapped TUTEL_DTYPE_FLOAT32
+  "w[2 * q] = e2m1_value(byte & 15u) * s;  // the even element: the low nibble\n        w[2 * q + 1] = e2m1_value(byte >> 4) * s;"
+  "w[2 * q] = e2m1_value(byte >> 4) * s;\n        w[2 * q + 1] = e2m1_value(byte & 15u) * s;")
+tutel_kernel_mutant(quantized_decode e8m0_bias_128 TUTEL_DTYPE_BFLOAT16
+  "return s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);"
+  "return 0.5f * (s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));")
+tutel_kernel_mutant(quantized_decode fp8_block_index_off_by_one TUTEL_DTYPE_FLOAT16
+  "const float scale = floats[k0 / block_cols];"
+  "const float scale = floats[(k0 + 1) / block_cols];")
+tutel_kernel_mutant(quantized_decode nvfp4_without_global_scale TUTEL_DTYPE_FLOAT32
+  "const float global = down_matrix.global ? down_matrix.global[e] : 1.0f;"
+  "const float global = 1.0f;")
