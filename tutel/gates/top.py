@@ -29,7 +29,8 @@ class LinearTopKGate(Float32ParametersMixin, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.wg.weight
-        return token_linear(x.to(weight.dtype), weight, self.wg.bias)
+        # (.to costs a dispatch even where the dtypes agree)
+        return token_linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, self.wg.bias)
 
 
 Gate = LinearTopKGate

@@ -28,8 +28,11 @@ def gshard_loss_from_counts(scores_w_noise: torch.Tensor, first_choice_counts: t
     num_tokens, num_experts = scores_w_noise.shape
     if num_tokens == 0:
         return scores_w_noise.sum() * 0
-    first_choice_share = first_choice_counts.to(scores_w_noise.dtype) / num_tokens
-    return torch.sum(scores_w_noise.mean(dim=0) * first_choice_share) * num_experts
+    # E * sum_e mean_t(scores[t, e]) * counts[e] / T, as one dot product of the score sums and the
+    # counts scaled by E / T^2 (four operations in place of six: a tiny layer's loss cost as
+    # much as its experts)
+    return torch.dot(scores_w_noise.sum(dim=0), first_choice_counts.to(scores_w_noise.dtype)) * \
+        (num_experts / (num_tokens * num_tokens))
 
 
 def _accumulation(values: torch.Tensor) -> torch.Tensor:
