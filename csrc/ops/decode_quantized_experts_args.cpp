@@ -56,15 +56,7 @@ DecodeQuantizedExpertsArgs decode_quantized_experts_args(
     a.expert_ids = expert_ids.to(at::kLong).contiguous();
     if (weights.has_value()) a.weights = weights->to(at::kFloat).contiguous();
   }
-  if (a.format == core::QuantFormat::kFp8Block) {
-    TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", kOp,
-                      ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);
-    a.block_rows = block[0];
-    a.block_cols = block[1];
-  } else {
-    TORCH_CHECK_VALUE(block.empty(), "tutel::", kOp, ": `block` is fp8_block's; ", format, " has its own (got ",
-                      block, ")");
-  }
+  read_quant_block(a.format, block, kOp, a.block_rows, a.block_cols);
   a.gate_up = checked_quantized_stack(a.format, gate_up, gate_up_scales, gate_up_global, a.block_rows, a.block_cols,
                                       x, kOp, {"gate_up", "gate_up_scales", "gate_up_global"});
   a.down = checked_quantized_stack(a.format, down, down_scales, down_global, a.block_rows, a.block_cols, x, kOp,

@@ -42,15 +42,7 @@ QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows,
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "tutel::", kOp,
                    ": `rows` must be float32, bfloat16 or float16, got ", dtype);
   a.rows = rows.size(1) <= 1 || rows.stride(1) == 1 ? rows : rows.contiguous();
-  if (a.format == core::QuantFormat::kFp8Block) {
-    TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", kOp,
-                      ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);
-    a.block_rows = block[0];
-    a.block_cols = block[1];
-  } else {
-    TORCH_CHECK_VALUE(block.empty(), "tutel::", kOp, ": `block` is fp8_block's; ", format, " has its own (got ",
-                      block, ")");
-  }
+  read_quant_block(a.format, block, kOp, a.block_rows, a.block_cols);
   a.stack = checked_quantized_stack(a.format, codes, scales, global_scale, a.block_rows, a.block_cols, rows, kOp,
                                     {"codes", "scales", "global_scale"});
   a.experts = codes.size(0);

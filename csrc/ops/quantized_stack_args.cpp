@@ -96,5 +96,18 @@ QuantizedStackArgs checked_quantized_stack(core::QuantFormat format, const at::T
   return s;
 }
 
+void read_quant_block(core::QuantFormat format, at::IntArrayRef block, const char* op, int64_t& block_rows,
+                      int64_t& block_cols) {
+  if (format == core::QuantFormat::kFp8Block) {
+    TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "tutel::", op,
+                      ": fp8_block needs `block` = [rows, cols] of its scales' blocks, both >= 1, got ", block);
+    block_rows = block[0];
+    block_cols = block[1];
+  } else {
+    TORCH_CHECK_VALUE(block.empty(), "tutel::", op, ": `block` is fp8_block's; ", quant_format_name(format),
+                      " has its own (got ", block, ")");
+  }
+}
+
 }  // namespace ops
 }  // namespace tutel

@@ -34,6 +34,12 @@ core::QuantFormat quant_format_of(const std::string& name, const char* op);
 // The name of a format.
 const char* quant_format_name(core::QuantFormat format);
 
+// fp8_block's scale block [rows, cols] from `block` (both >= 1), into block_rows / block_cols; the
+// fp4 formats take none (`block` must be empty, the outputs are left as they are).  A ValueError
+// of operator `op` otherwise.
+void read_quant_block(core::QuantFormat format, at::IntArrayRef block, const char* op, int64_t& block_rows,
+                      int64_t& block_cols);
+
 // One stack [E, N, K] of `format`, K taken from the codes, on `x`'s device; fp8_block's scale
 // block is block_rows x block_cols.  Scales come back as the kernels read them: E8M0 / E4M3 as
 // bytes, fp8_block's as float32.
