@@ -41,6 +41,14 @@ TUTEL_AVX512_QUANT inline void e2m1_32(const uint8_t* p, __m512 table, __m512 (&
   w[1] = _mm512_permutex2var_ps(even, second, odd);
 }
 
+// The 32 values of the codes in `bytes` split by parity: w[0] the even elements (the low nibbles),
+// w[1] the odd ones (the high nibbles), each in element order.
+TUTEL_AVX512_QUANT inline void e2m1_32_split(__m128i bytes, __m512 table, __m512 (&w)[2]) {
+  const __m512i wide = _mm512_cvtepu8_epi32(bytes);
+  w[0] = _mm512_permutexvar_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)), table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
+}
+
 // `count` (up to 32) E4M3 bytes as floats times 2^-8 (w[0]: elements 0..15; past `count` 0): each
 // byte in the high half of a 16-bit lane, shifted right by one with its sign repeated, and bit 14
 // cleared, is the float16 with the sign, exponent and mantissa bits in their places; NaN codes

@@ -115,6 +115,41 @@ ChoicePlan plan_choices(const int64_t* ids, const float* weights, int64_t tokens
   return plan;
 }
 
+// The vectors one pass multiplies the rows with, one per kept choice, and the kernels that take
+// them: float32 rows as they are, or in the split layout (kQuantSplitRound).
+struct PassVectors {
+  std::vector<const float*> rows;
+  QuantRowDots dots = nullptr;
+};
+
+bool takes_split(const QuantKernels& kernels, const QuantizedMatrix& m) {
+  return kernels.split_dots != nullptr && (m.format == QuantFormat::kMxfp4 || m.format == QuantFormat::kNvfp4);
+}
+
+int64_t split_padded(int64_t n) { return (n + kQuantSplitRound - 1) / kQuantSplitRound * kQuantSplitRound; }
+
+// x[0 .. n) into `split` (split_padded(n) floats) in the split layout, zeros past n.
+void split_row(const float* x, int64_t n, float* split) {
+  constexpr int64_t half = kQuantSplitRound / 2;
+  for (int64_t k0 = 0; k0 < split_padded(n); k0 += kQuantSplitRound) {
+    for (int64_t j = 0; j < half; ++j) {
+      const int64_t even = k0 + 2 * j, odd = even + 1;
+      split[k0 + j] = even < n ? x[even] : 0.0f;
+      split[k0 + half + j] = odd < n ? x[odd] : 0.0f;
+    }
+  }
+}
+
+// `count` rows of `n` floats, `stride` apart, as split rows `split_padded(n)` apart.
+std::vector<float> split_rows(const float* x, int64_t count, int64_t n, int64_t stride) {
+  const int64_t width = split_padded(n);
+  std::vector<float> split(size_t(count * width));
+  parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) split_row(x + c * stride, n, split.data() + c * width);
+  });
+  return split;
+}
+
 // Hidden units per item of the gate/up pass and output rows per item of the down pass: enough
 // items for every thread at one token and a few experts, each still a few dozen rows long.
 constexpr int64_t kUnitsPerItem = 16;
@@ -128,7 +163,7 @@ constexpr int64_t kPrefetchRows = 8;
 
 template <class T>
 void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
-                  const std::vector<const float*>& token_rows, float* h, int64_t h_stride) {
+                  const PassVectors& token_rows, float* h, int64_t h_stride) {
   const int64_t inter = call.inter;
   const bool gated = call.unit.activation == ExpertActivation::kGated;
   const bool interleaved = gated && call.unit.gated.interleaved;
@@ -156,7 +191,7 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernel
           rows[1] = i + 1;
           row_count = i + 1 < unit_end ? 2 : 1;
         }
-        kernels.dots(call.gate_up, expert, rows, row_count, token_rows.data() + first, count, dots.data());
+        token_rows.dots(call.gate_up, expert, rows, row_count, token_rows.rows.data() + first, count, dots.data());
         for (int v = 0; v < count; ++v) {
           float* h_row = h + (first + v) * h_stride;
           if (gated) {
@@ -177,7 +212,7 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernel
 
 template <class T>
 void down_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
-               const std::vector<const float*>& h_rows, float* sums) {
+               const PassVectors& h_rows, float* sums) {
   const int64_t outputs = call.outputs, tokens = call.tokens;
   const int64_t items = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
   parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
@@ -193,7 +228,7 @@ void down_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, 
         for (int64_t n = n_begin; n < n_end; n += 2) {
           const int64_t rows[2] = {n, n + 1};
           const int row_count = n + 1 < n_end ? 2 : 1;
-          kernels.dots(call.down, expert, rows, row_count, h_rows.data() + first, count, dots.data());
+          h_rows.dots(call.down, expert, rows, row_count, h_rows.rows.data() + first, count, dots.data());
           for (int r = 0; r < row_count; ++r) {
             const float b = bias ? bias[rows[r]] : 0.0f;
             for (int v = 0; v < count; ++v) {
@@ -236,7 +271,7 @@ float expert_unit_value(const ExpertUnit& unit, float g, float u) {
 }
 
 const QuantKernels& portable_quant_kernels() {
-  static const QuantKernels kernels{&portable_dots, "portable"};
+  static const QuantKernels kernels{&portable_dots, "portable", nullptr};
   return kernels;
 }
 
@@ -261,16 +296,31 @@ void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKer
     }
   });
   const size_t kept = plan.token.size();
-  std::vector<const float*> token_rows(kept), h_rows(kept);
+  PassVectors token_rows, h_rows;
+  token_rows.rows.resize(kept);
+  h_rows.rows.resize(kept);
   std::vector<float> h(kept * size_t(h_stride), 0.0f);
-  for (size_t c = 0; c < kept; ++c) {
-    token_rows[c] = x.data() + plan.token[c] * x_stride;
-    h_rows[c] = h.data() + int64_t(c) * h_stride;
+  std::vector<float> x_split, h_split;
+  if (takes_split(kernels, call.gate_up)) {
+    x_split = split_rows(x.data(), tokens, hidden, x_stride);
+    for (size_t c = 0; c < kept; ++c) token_rows.rows[c] = x_split.data() + plan.token[c] * split_padded(hidden);
+    token_rows.dots = kernels.split_dots;
+  } else {
+    for (size_t c = 0; c < kept; ++c) token_rows.rows[c] = x.data() + plan.token[c] * x_stride;
+    token_rows.dots = kernels.dots;
   }
   QuantizedDecodeCall<T> prefetched = call;
   prefetched.gate_up.prefetch_bytes = prefetch_rows_ahead(call.gate_up, kPrefetchRows);
   prefetched.down.prefetch_bytes = prefetch_rows_ahead(call.down, kPrefetchRows);
   gate_up_pass(prefetched, kernels, plan, token_rows, h.data(), h_stride);
+  if (takes_split(kernels, call.down)) {
+    h_split = split_rows(h.data(), int64_t(kept), call.inter, h_stride);
+    for (size_t c = 0; c < kept; ++c) h_rows.rows[c] = h_split.data() + int64_t(c) * split_padded(call.inter);
+    h_rows.dots = kernels.split_dots;
+  } else {
+    for (size_t c = 0; c < kept; ++c) h_rows.rows[c] = h.data() + int64_t(c) * h_stride;
+    h_rows.dots = kernels.dots;
+  }
   std::vector<float> sums(size_t(tokens * outputs));
   down_pass(prefetched, kernels, plan, h_rows, sums.data());
 }

@@ -82,9 +82,15 @@ constexpr int64_t kQuantVectorPadding = 16;
 using QuantRowDots = void (*)(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
                               const float* const* vectors, int count, float* out);
 
+// The split layout of the vectors that split_dots takes (mxfp4 and nvfp4 only): each round of this
+// many elements holds its even elements and then its odd ones, the order in which the codes' low
+// and high nibbles decode, and the vectors are padded with zeros to whole rounds.
+constexpr int64_t kQuantSplitRound = 32;
+
 struct QuantKernels {
   QuantRowDots dots;
   const char* name;  // "portable", "avx2" or "avx512"
+  QuantRowDots split_dots;  // dots with vectors in the split layout, or nullptr where there are none
 };
 
 // The portable kernels, always available (plain loops over the byte tables).

@@ -255,7 +255,7 @@ void avx2_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, in
 
 const QuantKernels* avx2_quant_kernels() {
 #ifdef TUTEL_HAVE_AVX2_KERNELS
-  static const QuantKernels kernels{&avx2_dots, "avx2"};
+  static const QuantKernels kernels{&avx2_dots, "avx2", nullptr};
   if (avx2::cpu_has_avx2_fma()) return &kernels;
 #endif
   return nullptr;

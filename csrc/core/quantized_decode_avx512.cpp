@@ -4,6 +4,10 @@
 //
 // The ends of fp8_block's blocks are read with masked loads, codes and vectors alike.
 //
+// The split kernels take the vectors in the split layout (kQuantSplitRound), so that the even and
+// the odd elements of 32 fp4 codes multiply them as the two permutes of the nibbles leave them,
+// without the two permutes that would put them back in element order.
+//
 // GCC 12's AVX-512 intrinsics start from undefined vectors, which its own (maybe-)uninitialized
 // warnings flag at every inlined use; this file holds nothing else those warnings could catch.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -24,6 +28,7 @@ namespace core {
 namespace {
 
 using avx512_codes::e2m1_32;
+using avx512_codes::e2m1_32_split;
 using avx512_codes::e2m1_table;
 using avx512_codes::e4m3_32;
 
@@ -71,7 +76,9 @@ struct Sums {
   }
 };
 
-template <int R, int V>
+// Split: the vectors come in the split layout (kQuantSplitRound): each round of 32 elements holds
+// its even elements and then its odd ones, the order the codes' low and high nibbles decode in.
+template <int R, int V, bool Split>
 TUTEL_AVX512_QUANT void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                    const float* const* vectors, float* out, int out_stride) {
   const float* e8m0 = byte_tables().e8m0;
@@ -89,7 +96,13 @@ TUTEL_AVX512_QUANT void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, con
     __m512 w[R][2];
     for (int r = 0; r < R; ++r) {
       if ((b & 3) == 0) prefetch_codes(codes[r] + b * (kMxfp4Block / 2), m.prefetch_bytes);
-      e2m1_32(codes[r] + b * (kMxfp4Block / 2), _mm512_mul_ps(values, _mm512_set1_ps(e8m0[scales[r][b]])), w[r]);
+      const uint8_t* p = codes[r] + b * (kMxfp4Block / 2);
+      const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(e8m0[scales[r][b]]));
+      if (Split) {
+        e2m1_32_split(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), scaled, w[r]);
+      } else {
+        e2m1_32(p, scaled, w[r]);
+      }
     }
     for (int half = 0; half < 2; ++half) {
       __m512 step[R];
@@ -100,7 +113,7 @@ TUTEL_AVX512_QUANT void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, con
   sums.store(out, out_stride, 1.0f);
 }
 
-template <int R, int V>
+template <int R, int V, bool Split>
 TUTEL_AVX512_QUANT void nvfp4_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                    const float* const* vectors, float* out, int out_stride) {
   const float* e4m3 = byte_tables().e4m3;
@@ -119,13 +132,33 @@ TUTEL_AVX512_QUANT void nvfp4_dots(const QuantizedMatrix& m, int64_t expert, con
     __m512 w[R][2];
     for (int r = 0; r < R; ++r) {
       if ((b & 7) == 0) prefetch_codes(codes[r] + b * (kNvfp4Block / 2), m.prefetch_bytes);
-      if (halves == 2) {
+      if (Split) {
+        // A lone block's 8 bytes: the other 8 read as code 0, times the vectors' zero padding.
+        const uint8_t* p = codes[r] + b * (kNvfp4Block / 2);
+        const __m128i bytes = halves == 2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                          : _mm_maskz_loadu_epi8(__mmask16(0x00ff), p);
+        e2m1_32_split(bytes, values, w[r]);
+      } else if (halves == 2) {
         e2m1_32(codes[r] + b * (kNvfp4Block / 2), values, w[r]);
       } else {  // 8 bytes: the other 8 read as code 0 and left unused
         uint8_t part[16] = {0};
         std::memcpy(part, codes[r] + b * (kNvfp4Block / 2), kNvfp4Block / 2);
         e2m1_32(part, values, w[r]);
       }
+    }
+    if (Split) {  // lanes 0..7 of both halves are the first block's, lanes 8..15 the second's
+      __m512 step[2][R];
+      for (int r = 0; r < R; ++r) {
+        const __m512 first = _mm512_set1_ps(e4m3[scales[r][b]]);
+        const __m512 scale = halves == 2 ? _mm512_mask_blend_ps(__mmask16(0xff00), first,
+                                                                 _mm512_set1_ps(e4m3[scales[r][b + 1]]))
+                                         : first;
+        step[0][r] = _mm512_mul_ps(w[r][0], scale);
+        step[1][r] = _mm512_mul_ps(w[r][1], scale);
+      }
+      sums.add(step[0], vectors, b * kNvfp4Block, 0);
+      sums.add(step[1], vectors, b * kNvfp4Block + 16, Sums<R, V>::S - 1);
+      continue;
     }
     for (int half = 0; half < halves; ++half) {
       __m512 step[R];
@@ -175,31 +208,31 @@ TUTEL_AVX512_QUANT void fp8_block_dots(const QuantizedMatrix& m, int64_t expert,
   sums.store(out, out_stride, 1.0f);
 }
 
-template <int R, int V>
+template <int R, int V, bool Split>
 void dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, const float* const* vectors, float* out,
              int out_stride) {
   switch (m.format) {
-    case QuantFormat::kMxfp4: return mxfp4_dots<R, V>(m, expert, rows, vectors, out, out_stride);
-    case QuantFormat::kNvfp4: return nvfp4_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+    case QuantFormat::kMxfp4: return mxfp4_dots<R, V, Split>(m, expert, rows, vectors, out, out_stride);
+    case QuantFormat::kNvfp4: return nvfp4_dots<R, V, Split>(m, expert, rows, vectors, out, out_stride);
     case QuantFormat::kFp8Block: return fp8_block_dots<R, V>(m, expert, rows, vectors, out, out_stride);
   }
 }
 
-template <int R>
+template <int R, bool Split>
 void rows_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, const float* const* vectors, int count,
                float* out) {
   for (int v0 = 0; v0 < count; v0 += 8) {  // eight vectors at a time
     const float* const* tile = vectors + v0;
     float* tile_out = out + v0;
     switch (std::min(8, count - v0)) {
-      case 1: dots_of<R, 1>(m, expert, rows, tile, tile_out, count); break;
-      case 2: dots_of<R, 2>(m, expert, rows, tile, tile_out, count); break;
-      case 3: dots_of<R, 3>(m, expert, rows, tile, tile_out, count); break;
-      case 4: dots_of<R, 4>(m, expert, rows, tile, tile_out, count); break;
-      case 5: dots_of<R, 5>(m, expert, rows, tile, tile_out, count); break;
-      case 6: dots_of<R, 6>(m, expert, rows, tile, tile_out, count); break;
-      case 7: dots_of<R, 7>(m, expert, rows, tile, tile_out, count); break;
-      default: dots_of<R, 8>(m, expert, rows, tile, tile_out, count); break;
+      case 1: dots_of<R, 1, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 2: dots_of<R, 2, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 3: dots_of<R, 3, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 4: dots_of<R, 4, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 5: dots_of<R, 5, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 6: dots_of<R, 6, Split>(m, expert, rows, tile, tile_out, count); break;
+      case 7: dots_of<R, 7, Split>(m, expert, rows, tile, tile_out, count); break;
+      default: dots_of<R, 8, Split>(m, expert, rows, tile, tile_out, count); break;
     }
   }
 }
@@ -207,9 +240,18 @@ void rows_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, co
 void avx512_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
                  const float* const* vectors, int count, float* out) {
   if (row_count == 2) {
-    rows_dots<2>(m, expert, rows, vectors, count, out);
+    rows_dots<2, false>(m, expert, rows, vectors, count, out);
   } else {
-    rows_dots<1>(m, expert, rows, vectors, count, out);
+    rows_dots<1, false>(m, expert, rows, vectors, count, out);
+  }
+}
+
+void avx512_split_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                       const float* const* vectors, int count, float* out) {
+  if (row_count == 2) {
+    rows_dots<2, true>(m, expert, rows, vectors, count, out);
+  } else {
+    rows_dots<1, true>(m, expert, rows, vectors, count, out);
   }
 }
 
@@ -226,7 +268,7 @@ bool cpu_has_avx512_quant() {
 
 const QuantKernels* avx512_quant_kernels() {
 #ifdef TUTEL_HAVE_AVX2_KERNELS
-  static const QuantKernels kernels{&avx512_dots, "avx512"};
+  static const QuantKernels kernels{&avx512_dots, "avx512", &avx512_split_dots};
   if (cpu_has_avx512_quant()) return &kernels;
 #endif
   return nullptr;
