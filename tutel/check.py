@@ -212,6 +212,13 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
     scale = model_dim ** -0.5
     up_weight = (torch.randn(experts, model_dim, model_dim, generator=generator) * scale).to(dtype).to(device)
     down_weight = (torch.randn(experts, model_dim, model_dim // 2, generator=generator) * scale).to(dtype).to(device)
+    # decode_quantized_experts on the same routing: MXFP4 experts of intermediate size model_dim / 2,
+    # random codes and moderate E8M0 scales ([E, N, K / 2] bytes, [E, N, K / 32] scales)
+    def mxfp4_stack(rows: int, cols: int):
+        codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(118, 124, (experts, rows, cols // 32), generator=generator, dtype=torch.uint8)
+        return codes.to(device), scales.to(device)
+    quantized_up, quantized_down = mxfp4_stack(model_dim, model_dim), mxfp4_stack(model_dim, model_dim // 2)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
@@ -233,6 +240,9 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
                                                        capacity, True),
         "decode_experts": lambda ops: ops.decode_experts(x[:decoded], expert_ids[:decoded], decode_weights, up_weight,
                                                          down_weight, None, None, False, *swiglu, False, None),
+        "decode_quantized_experts": lambda ops: ops.decode_quantized_experts(
+            x[:decoded], expert_ids[:decoded], decode_weights, "mxfp4", *quantized_up, None, *quantized_down, None, [],
+            None, None, "gated", *swiglu, False),
     }
 
 
