@@ -10,6 +10,7 @@
 #include "../../cuda/expert_launch_plan.h"
 #include "../decode_experts_args.h"
 #include "cuda_op.h"
+#include "decode_routing_cuda.h"
 
 namespace tutel {
 namespace ops {
@@ -24,33 +25,6 @@ const Kernel<cuda::kernels::decode_down_rows_vector> kDownRowsVector;
 const Kernel<cuda::kernels::decode_down_rows_scalar> kDownRowsScalar;
 const Kernel<cuda::kernels::decode_down_columns_vector> kDownColumnsVector;
 const Kernel<cuda::kernels::decode_down_columns_scalar> kDownColumnsScalar;
-
-int weights_dtype_of(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble: return TUTEL_WEIGHTS_FLOAT64;
-    case at::kHalf: return TUTEL_WEIGHTS_FLOAT16;
-    case at::kBFloat16: return TUTEL_WEIGHTS_BFLOAT16;
-    default: return TUTEL_WEIGHTS_FLOAT32;  // float32, the one floating dtype left (checked)
-  }
-}
-
-TutelDecodeRouting routing_of(const DecodeExpertsArgs& a) {
-  TutelDecodeRouting r{};
-  r.expert_ids = input_ptr(a.expert_ids);
-  r.ids_token_stride = a.expert_ids.stride(0);
-  r.ids_choice_stride = a.expert_ids.stride(1);
-  r.ids_int64 = a.expert_ids.scalar_type() == at::kLong;
-  if (a.weights.defined()) {  // else weights stays null: weight 1
-    r.weights = input_ptr(a.weights);
-    r.weights_token_stride = a.weights.stride(0);
-    r.weights_choice_stride = a.weights.stride(1);
-    r.weights_dtype = weights_dtype_of(a.weights.scalar_type());
-  }
-  r.tokens = a.tokens;
-  r.k = a.k;
-  r.experts = a.experts;
-  return r;
-}
 
 at::Tensor decode_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids,
                                const c10::optional<at::Tensor>& weights, const at::Tensor& up_weight,
@@ -74,7 +48,7 @@ at::Tensor decode_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids
   const at::Tensor h = at::empty({a.tokens * a.k, a.inter}, acc);
   const at::Tensor y = at::empty({a.tokens * a.k, a.outputs}, acc);
   const at::Tensor counters = at::empty({plan.counter_ints}, a.x.options().dtype(at::kInt));
-  const TutelDecodeRouting routing = routing_of(a);
+  const TutelDecodeRouting routing = decode_routing(a.expert_ids, a.weights, a.tokens, a.k, a.experts);
   const TutelDecodeUnit unit{alpha, up_offset, limit.value_or(0.0), int(limit.has_value()), int(interleaved)};
   const Variant variant = data_variant(a.x.scalar_type());
   const int device = scope.device();

@@ -11,6 +11,7 @@
 #include "../../cuda/expert_launch_plan.h"
 #include "../decode_quantized_experts_args.h"
 #include "cuda_op.h"
+#include "decode_routing_cuda.h"
 
 namespace tutel {
 namespace ops {
@@ -60,35 +61,6 @@ TutelQuantMatrix matrix_of(const DecodeQuantizedExpertsArgs& a, const QuantizedS
   return m;
 }
 
-int weights_dtype_of(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble: return TUTEL_WEIGHTS_FLOAT64;
-    case at::kHalf: return TUTEL_WEIGHTS_FLOAT16;
-    case at::kBFloat16: return TUTEL_WEIGHTS_BFLOAT16;
-    default: return TUTEL_WEIGHTS_FLOAT32;  // float32, the one floating dtype left (checked)
-  }
-}
-
-// The ids and weights as the caller passed them (routing_as_given): int32 or int64 ids, weights
-// of any floating dtype, any strides.
-TutelDecodeRouting routing_of(const DecodeQuantizedExpertsArgs& a) {
-  TutelDecodeRouting r{};
-  r.expert_ids = input_ptr(a.expert_ids);
-  r.ids_token_stride = a.expert_ids.stride(0);
-  r.ids_choice_stride = a.expert_ids.stride(1);
-  r.ids_int64 = a.expert_ids.scalar_type() == at::kLong;
-  if (a.weights.defined()) {  // else weights stays null: weight 1
-    r.weights = input_ptr(a.weights);
-    r.weights_token_stride = a.weights.stride(0);
-    r.weights_choice_stride = a.weights.stride(1);
-    r.weights_dtype = weights_dtype_of(a.weights.scalar_type());
-  }
-  r.tokens = a.tokens;
-  r.k = a.k;
-  r.experts = a.experts;
-  return r;
-}
-
 // The kernel of a step for the call's format and chunk width (one checked function type each).
 template <class VectorKernel, class ScalarKernel>
 auto pick(const VectorKernel& vector, const ScalarKernel& scalar, bool use_vector, int device, Variant variant) {
@@ -122,7 +94,7 @@ at::Tensor decode_quantized_experts_cuda(
   const at::Tensor h = at::empty({a.tokens * a.k, a.inter}, float32);
   const at::Tensor y = at::empty({a.tokens * a.k, a.outputs}, float32);
   const at::Tensor counters = at::empty({plan.counter_ints}, a.x.options().dtype(at::kInt));
-  const TutelDecodeRouting routing = routing_of(a);
+  const TutelDecodeRouting routing = decode_routing(a.expert_ids, a.weights, a.tokens, a.k, a.experts);
   const core::GatedUnit& gated = a.unit.gated;
   const TutelDecodeUnit unit{gated.alpha, gated.up_offset, gated.limit, int(gated.clamped), int(gated.interleaved)};
   const int unit_activation = activation_code(a.unit.activation);
