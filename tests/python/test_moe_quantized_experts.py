@@ -421,9 +421,24 @@ def test_the_experts_dict_builds_the_same_experts():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_call_on_cuda_names_tutel_issue_45():
-    layer, _ = packed_layer("llama_apart", "mxfp4", 4, 2)
-    layer = layer.cuda()
+@pytest.mark.parametrize("kind", ["llama_apart", "gpt_oss_biased"])
+@pytest.mark.parametrize("count", [5, 37])
+def test_a_layer_on_cuda_equals_the_float64_reference(kind, count):
+    layer, matrices = packed_layer(kind, "mxfp4", 4, 2)
+    layer = layer.cuda().eval()
     assert layer.experts.up_packed.device.type == "cuda" and layer.experts.up_packed.dtype == torch.uint8
-    with pytest.raises(NotImplementedError, match="tutel issue 45"), torch.no_grad():
-        layer(tokens(5, 64, torch.float32).cuda())
+    x = tokens(count, 64, torch.float32)
+    with torch.no_grad():
+        y, result = layer.forward_with_result(x.cuda())
+    ids, weights = routing_of(layer, x, result, 2)
+    assert_close_to(y.cpu(), reference_output(x, ids.cpu(), weights.cpu(), matrices, KINDS[kind][1]),
+                    torch.float32)
+
+
+def test_tokens_on_another_device_than_the_experts_are_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    layer, _ = packed_layer("llama_apart", "mxfp4", 4, 2)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(5, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"the tokens: on cuda:0, but the experts' stacks lie on cpu"):
+        layer.experts.grouped_products(None, torch.float32)[0](x, None)

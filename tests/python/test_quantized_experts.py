@@ -2,7 +2,7 @@
 against a float64 reference written here from the formats' specifications (quant_spec's decoders),
 token by token and choice by choice: weight-only, and W8A8 block FP8 with activations quantized by
 DeepSeek-V3's rule; block sizes with partial blocks, every scale dtype, the gate forms, empty and odd
-token counts, k up to 8, ids outside [0, E); the CUDA refusal and bad input."""
+token counts, k up to 8, ids outside [0, E); devices (CUDA where there is one) and bad input."""
 import math
 
 import pytest
@@ -13,7 +13,7 @@ import quant_spec
 from tutel.experts import routed_quantized_experts
 from tutel.paths import facts
 from tutel.ops.gated_units import GatedUnit
-from tutel.ops.quantized_experts import CUDA_NOT_IMPLEMENTED, dequantize_expert, require_cpu
+from tutel.ops.quantized_experts import dequantize_expert, quantized_expert_products, require_device
 from tutel.quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights
 from tutel.quant.codes import FLOAT8_E8M0FNU
 
@@ -278,30 +278,64 @@ def test_a_call_autograd_would_record_is_refused():
         routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
 
 
-def test_cuda_is_refused_naming_issue_45(monkeypatch):
-    with pytest.raises(NotImplementedError, match=r"on CUDA are not implemented yet \(tutel issue 45\)"):
-        require_cpu(torch.device("cuda", 0), "x")
-    assert CUDA_NOT_IMPLEMENTED == "quantized experts on CUDA are not implemented yet (tutel issue 45)"
+def _fake_cuda(shape, dtype=torch.float32):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def test_tensors_on_another_device_than_the_stacks_are_refused(monkeypatch):
+    """CPU stacks with CUDA tokens (and the reverse) raise ValueError naming the tensor and both
+    devices; devices other than the CPU and CUDA raise NotImplementedError."""
+    with pytest.raises(NotImplementedError, match="`x` is on meta: quantized experts run on the CPU and CUDA"):
+        require_device(torch.device("meta"), "`x`")
+    require_device(torch.device("cuda", 0), "`x`")
     up = fp8(E, 2 * I, H, (16, 16), gate_up_rows="concatenated")
     down = fp8(E, H, I, (16, 16))
     x, ids, weights = inputs(3, 2, torch.float32)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.empty(3, H, device="cuda")
-    with pytest.raises(NotImplementedError, match=r"`x` is on cuda.*tutel issue 45"):
-        routed_quantized_experts(fake, ids, weights, up, down, gate="swiglu")
+    with pytest.raises(ValueError, match=r"`x`: on cuda:0, but the experts' stacks lie on cpu"):
+        routed_quantized_experts(_fake_cuda((3, H)), ids, weights, up, down, gate="swiglu")
     monkeypatch.setattr(Fp8BlockWeights, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(NotImplementedError, match=r"`up` is on cuda:0.*tutel issue 45"):
+    with pytest.raises(ValueError, match=r"`x`: on cpu, but the experts' stacks lie on cuda:0"):
         routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_stacks_are_refused_on_a_cuda_device():
-    up = fp8(E, 2 * I, H, (16, 16), gate_up_rows="concatenated").to("cuda")
-    down = fp8(E, H, I, (16, 16)).to("cuda")
+def test_stacks_on_different_devices_are_refused(monkeypatch):
+    up = fp8(E, 2 * I, H, (16, 16), gate_up_rows="concatenated")
+    down = Mxfp4Weights.quantize(torch.randn(E, H, 32))
     x, ids, weights = inputs(3, 2, torch.float32)
-    with pytest.raises(NotImplementedError, match="tutel issue 45"):
-        routed_quantized_experts(x.cuda(), ids.cuda(), weights.cuda(), up, down, gate="swiglu")
+    monkeypatch.setattr(Fp8BlockWeights, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=r"the stacks lie on different devices \(`up` on cuda:0, `down` on cpu\)"):
+        routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
+
+
+def test_float64_tokens_on_cuda_are_refused_naming_the_dtype(monkeypatch):
+    """float64's products dequantize expert by expert in a loop on the host: CPU only."""
+    up = fp8(E, 2 * I, H, (16, 16), gate_up_rows="concatenated")
+    down = fp8(E, H, I, (16, 16))
+    monkeypatch.setattr(Fp8BlockWeights, "device", property(lambda self: torch.device("cuda", 0)))
+    x = _fake_cuda((3, H), torch.float64)
+    ids, weights = _fake_cuda((3, 2), torch.int64), _fake_cuda((3, 2), torch.float64)
+    message = r"`x` is torch.float64 on cuda:0: quantized experts on cuda take float32, bfloat16, float16 tokens"
+    with pytest.raises(TypeError, match=message), torch.no_grad():
+        routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
+    with pytest.raises(TypeError, match=r"rows is torch.float64 on cuda:0.*loop on the host"):
+        quantized_expert_products(x, [3] * E, up, down, unit=GatedUnit())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_cuda_computes_what_the_reference_computes(tokens):
+    """On a CUDA device (the decode operator up to 32 tokens, the grouped products past it)."""
+    up = fp8(E, 2 * I, H, (16, 16), gate_up_rows="concatenated")
+    down = fp8(E, H, I, (16, 16))
+    x, ids, weights = inputs(tokens, 2, torch.float32, sentinels=True)
+    expected = reference(x, ids, weights, up, down, torch.float32, hidden_rule=swiglu)
+    with torch.no_grad():
+        got = routed_quantized_experts(x.cuda(), ids.cuda(), weights.cuda(), up.to("cuda"), down.to("cuda"),
+                                       gate="swiglu")
+    assert got.device.type == "cuda"
+    assert_close_to(got.cpu(), expected, torch.float32)
 
 
 def _bad(**changes):
@@ -530,11 +564,8 @@ def test_a_bias_autograd_would_record_is_refused():
         assert not call().requires_grad
 
 
-def test_cuda_biases_are_refused_naming_issue_45():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.zeros(E, H, device="cuda")
-    with pytest.raises(NotImplementedError, match=r"`down_bias` is on cuda.*tutel issue 45"):
-        arguments = _bad(down_bias=fake)
+def test_biases_on_another_device_than_the_stacks_are_refused():
+    with pytest.raises(ValueError, match=r"`down_bias`: on cuda:0, but the experts' stacks lie on cpu"):
+        arguments = _bad(down_bias=_fake_cuda((E, H)))
         routed_quantized_experts(arguments.pop("x"), arguments.pop("expert_ids"), arguments.pop("weights"),
                                  arguments.pop("up"), arguments.pop("down"), **arguments)

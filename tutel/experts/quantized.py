@@ -1,4 +1,4 @@
-"""Routed experts whose matrices are quantized stacks (tutel.quant), for CPU inference.
+"""Routed experts whose matrices are quantized stacks (tutel.quant), for inference on the CPU and CUDA.
 
 ``routed_quantized_experts(x, expert_ids, weights, up, down, ...)`` computes what
 ``routed_experts`` computes,
@@ -21,17 +21,23 @@ The call runs on the experts entry's paths (tutel.rules.paths).  Up to 32 tokens
 activations, a GatedUnit (``"swiglu"``) or an up-only F.gelu / F.relu / nn.GELU / nn.ReLU, and
 no gate stack of its own, one call of tutel's decode_quantized_experts operator reads each chosen
 expert's packed codes once, keeping the units' values in float32 (the ``quantized_decode`` fact).
-Otherwise the choices are sorted by expert, the kept rows run in bounded pieces, each piece's
-outputs weighted and added up.  The CPU only: tokens, stacks or biases on CUDA raise
-NotImplementedError (tutel issue 45), as does a call that autograd would record (quantized experts
-run inference only; the tokens, the routing weights and the biases count).
+Otherwise the choices are sorted by expert, and on the CPU the kept rows run in bounded pieces,
+each piece's outputs weighted and added up; on CUDA the rows are grouped by expert on the device
+(group_by_expert), both products run tutel's quantized_grouped_linear over all of them (the group
+ends an int32 device tensor), the unit between them, and the weighted combine gathers each token's
+rows: no host synchronisation on either path, so CUDA graphs capture them.  The tokens, the
+routing, the stacks and the biases must lie on one device (ValueError otherwise); float64 tokens
+run on the CPU only (TypeError on CUDA).  A call that autograd would record raises
+NotImplementedError (quantized experts run inference only; the tokens, the routing weights and the
+biases count).
 """
 from typing import Callable, Optional, Union
 
 import torch
 
 from ..ops.gated_units import GatedUnit, check_unit
-from ..ops.quantized_experts import WEIGHT_ONLY, check_expert_biases, check_quantized_experts, require_cpu
+from ..ops.quantized_experts import (WEIGHT_ONLY, check_expert_biases, check_quantized_experts, require_rows_dtype,
+                                     require_same_device)
 from ..paths import QuantizedExperts, Work, run
 from ..paths.facts import quantized_experts_facts
 from ..rules.paths import EXPERTS, choose_path
@@ -61,7 +67,8 @@ def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activat
     check_expert_biases(up_bias, down_bias, up, down, gate_weight, WHERE)
     for name, tensor in (("x", x), ("expert_ids", expert_ids), ("weights", weights)):
         if tensor is not None:
-            require_cpu(tensor.device, f"{WHERE}: `{name}`")
+            require_same_device(tensor.device, up.device, f"{WHERE}: `{name}`")
+    require_rows_dtype(x.dtype, x.device, f"{WHERE}: `x`")
 
 
 def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor], up,
@@ -73,7 +80,7 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
     """The routing-weighted sum of each token's quantized experts (see the module docstring).
 
     Args:
-        x: [T, H] CPU tokens, float32, float64, bfloat16 or float16.
+        x: [T, H] tokens on the stacks' device: float32, bfloat16 or float16 (and float64 on the CPU).
         expert_ids: [T, k] integer expert ids; ids outside [0, E) contribute nothing.
         weights: [T, k] routing weight of each choice; None means 1.
         up: a tutel.quant stack (E, U, H): U = 2I gate and up rows for gated experts (the rows
@@ -95,9 +102,10 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
         [T, O] in x's dtype.
 
     Raises:
-        NotImplementedError: tokens, stacks or biases on CUDA (tutel issue 45), or a call autograd
-            would record.
-        TypeError, ValueError: arguments that do not fit together, naming the argument.
+        NotImplementedError: a call autograd would record, or stacks on another device than the CPU
+            or a CUDA device.
+        TypeError, ValueError: arguments that do not fit together, naming the argument (tensors on
+            different devices; float64 tokens on CUDA).
     """
     _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations, up_bias,
            down_bias)
@@ -110,10 +118,14 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
 def run_quantized(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
                   experts: QuantizedExperts) -> torch.Tensor:
     """routed_quantized_experts on arguments its checks passed (transformers' "tutel" FP8 experts
-    check a module's stacks once, when they first see them, and each call's own tensors).  Returns
-    [T, O] in x's dtype."""
-    if x.device.type != "cpu":
-        require_cpu(x.device, f"{WHERE}: the tokens")
+    check a module's stacks once, when they first see them, and each call's own tensors; here the
+    tokens' device and dtype against the stacks').  Returns [T, O] in x's dtype."""
+    device = x.device
+    if device != experts.up.device or expert_ids.device != device or \
+            (device.type != "cpu" and x.dtype == torch.float64):
+        require_same_device(device, experts.up.device, f"{WHERE}: the tokens")
+        require_same_device(expert_ids.device, experts.up.device, f"{WHERE}: the expert ids")
+        require_rows_dtype(x.dtype, device, f"{WHERE}: the tokens")
     facts = quantized_experts_facts(x, expert_ids, weights, experts)
     if facts["gradient"]:
         raise NotImplementedError(f"{WHERE}: quantized experts run inference only, but autograd records this call "

@@ -1,5 +1,5 @@
-"""SwiGLU experts whose matrices are quantized stacks (tutel.quant), for moe_layer's CPU inference
-(``{'type': 'quantized_swiglu', ...}``, or ``layer.quantize_experts(format)`` on a layer of
+"""SwiGLU experts whose matrices are quantized stacks (tutel.quant), for moe_layer's inference on the
+CPU and CUDA (``{'type': 'quantized_swiglu', ...}``, or ``layer.quantize_experts(format)`` on a layer of
 ``llama_ffn`` or ``clamped_swiglu`` experts).
 
 For each expert e, on tokens x [n, H]:
@@ -19,7 +19,11 @@ them, and a dtype conversion (``.to(torch.bfloat16)``, ``.half()``) converts the
 the codes or scales.  Nothing else is resident: the module's bytes are the stacks' packed bytes plus
 the biases.
 
-The CPU only (a call on CUDA raises NotImplementedError naming tutel issue 45), inference only: a
+On CUDA (``layer.cuda()`` moves the buffers) the layer's static grouped path groups the rows on
+the device and the experts run tutel's quantized_grouped_linear for both products with the group
+ends as a device tensor: no host synchronisation.  16-bit biases are kept converted to float32 (what
+the operators add) beside the buffers, not in the state_dict.  float64 tokens run on the CPU only
+(TypeError on CUDA); tokens on another device than the buffers raise ValueError.  Inference only: a
 call in which autograd would record through the experts (grad mode on and their input requiring a
 gradient) raises NotImplementedError saying what to do.  Each process holds whole experts
 (``sharded_count`` 1), and adaptive_r = 0 over several processes (every expert on every process) is
@@ -30,7 +34,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, check_unit, split_gate_up
-from ..ops.quantized_experts import WEIGHT_ONLY, check_activations, quantized_expert_products, require_cpu
+from ..ops.quantized_experts import (WEIGHT_ONLY, Float32Copies, check_activations, quantized_expert_products,
+                                     require_device, require_rows_dtype, require_same_device)
 from ..quant import GateUpRows, QuantizedWeights
 from ._grouped import flatten_features, run_padded
 
@@ -162,6 +167,7 @@ class QuantizedSwiGLUExperts(torch.nn.Module):
         self.local_experts = num_experts_per_device
         self.sharded_count = 1
         self.unit, self.activation_fn, self.activations = unit, activation_fn, activations
+        self._float32 = Float32Copies()  # the biases as the operators add them (not in the state_dict)
         self._gate_fn = None if activation_fn is None else ActivatedGate(activation_fn, unit.interleaved)
         stacks = {"gate": gate_weight, "up": up, "down": down}
         # The stacks' format and metadata on the meta device: each call puts them over the buffers
@@ -250,9 +256,11 @@ class QuantizedSwiGLUExperts(torch.nn.Module):
     # -- the computation ----------------------------------------------------------------------
 
     def _check_call(self, x: torch.Tensor, ctx) -> None:
-        require_cpu(x.device, f"{WHERE}: the tokens")
-        require_cpu(self._buffers["down_" + next(iter(self._templates["down"].tensors()))].device,
-                    f"{WHERE}: the stacks")
+        device = self._buffers["down_" + next(iter(self._templates["down"].tensors()))].device
+        if x.device != device or device.type != "cpu":
+            require_device(device, f"{WHERE}: the stacks")
+            require_same_device(x.device, device, f"{WHERE}: the tokens")
+            require_rows_dtype(x.dtype, device, f"{WHERE}: the tokens")
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 b is not None and b.requires_grad for b in (self.up_bias, self.down_bias))):
             raise NotImplementedError(
@@ -267,7 +275,9 @@ class QuantizedSwiGLUExperts(torch.nn.Module):
     def _products(self, rows: torch.Tensor, ends) -> torch.Tensor:
         """[n, H] rows grouped by expert (expert e's end at ends[e]) -> [n, H] in rows' dtype."""
         stacks = self.stacks()
-        biases = {name: bias for name, bias in (("up_bias", self.up_bias), ("down_bias", self.down_bias))
+        # 16-bit biases widened once (exact), not on every call; others as they are
+        biases = {name: self._float32.of(name, bias) for name, bias in (("up_bias", self.up_bias),
+                                                                         ("down_bias", self.down_bias))
                   if bias is not None}
         return quantized_expert_products(rows, ends, stacks["up"], stacks["down"], gate_weight=stacks.get("gate"),
                                          unit=None if self._gate_fn is not None else self.unit,
@@ -278,7 +288,11 @@ class QuantizedSwiGLUExperts(torch.nn.Module):
         if group_rows is None:
             experts, capacity = h.shape[0], h.shape[1]
             rows = h.reshape(experts * capacity, h.shape[2])
-            out = self._products(rows, [capacity * (e + 1) for e in range(experts)])
+            if h.device.type == "cpu":
+                ends = [capacity * (e + 1) for e in range(experts)]
+            else:  # made on the device: nothing copied from the host during a CUDA graph's capture
+                ends = torch.arange(capacity, capacity * (experts + 1), capacity, dtype=torch.int32, device=h.device)
+            out = self._products(rows, ends)
             return out.view(experts, capacity, out.shape[-1])
         ends, end = [], 0
         for count in group_rows:

@@ -180,7 +180,7 @@ class MOELayer(torch.nn.Module):
         (tutel.experts.quantized_swiglu) holding their matrices in `format` ("fp8_block", "mxfp4" or
         "nvfp4"), in place; the float experts are released.  `options`: ``activations``
         ("weight_only", or "dynamic" for "fp8_block") and the format's own (``block``,
-        ``scale_dtype`` for "fp8_block").  The layer then runs inference on the CPU only.  Returns
+        ``scale_dtype`` for "fp8_block").  The layer then runs inference only, on the CPU or CUDA.  Returns
         the layer.  Raises ValueError / TypeError (tutel.experts.quantize_float) leaving it unchanged."""
         self.experts = quantize_experts(self.experts, format, **options)
         forget_plans(self)

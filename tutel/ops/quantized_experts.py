@@ -1,4 +1,4 @@
-"""The products of experts whose matrices are quantized stacks (tutel.quant), on the CPU.
+"""The products of experts whose matrices are quantized stacks (tutel.quant), on the CPU and CUDA.
 
 For the rows of expert e (rows grouped by expert, as ``group_by_expert``'s ends give them):
 
@@ -32,25 +32,35 @@ keeps the units' values in float32: where ``decode_form`` finds a form of the ex
 computes (weight-only activations, up and down in one format, a GatedUnit or an up-only gelu /
 relu it recognises, no gate stack of its own), tutel.rules.paths may choose it.
 
-Only the CPU computes: a stack or rows on CUDA raise NotImplementedError (tutel issue 45 adds the
-kernels), so that no call silently dequantizes whole stacks on a GPU.  Nothing here records
-gradients (quantized experts run inference only; the callers refuse calls that would).
+The CPU and CUDA devices compute (``DEVICES``; the stacks, the biases and the rows on one device).
+On CUDA both operators run their CUDA kernels and nothing is read back to the host: the group ends
+stay an int32 tensor on the device, and W8A8's activation quantization is a few elementwise
+PyTorch operators.  float64 rows run on the CPU only (their path dequantizes one expert's matrix at
+a time in a loop on the host): on CUDA they are refused with a TypeError, and no call dequantizes a
+whole stack on a GPU.  Nothing here records gradients (quantized experts run inference only; the
+callers refuse calls that would).
 """
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
+import weakref
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
 from ..quant.codes import FLOAT8_E8M0FNU
-from .gated_units import GatedUnit, apply_gated_unit, unit_scalars
+from .backend import operators_for
+from .gated_units import GatedUnit, apply_gated_unit, apply_gated_unit_pair, unit_scalars
 from .quantized_linear import quantized_grouped_linear
 
 WEIGHT_ONLY = "weight_only"
 DYNAMIC = "dynamic"
 ACTIVATIONS = (WEIGHT_ONLY, DYNAMIC)
 
-CUDA_NOT_IMPLEMENTED = "quantized experts on CUDA are not implemented yet (tutel issue 45)"
+#: The device types quantized experts run on.
+DEVICES = ("cpu", "cuda")
+#: The rows' dtypes each device type computes (float64 dequantizes expert by expert on the host).
+ROW_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+              "cuda": (torch.float32, torch.bfloat16, torch.float16)}
 
 # E4M3's largest magnitude, and the smallest activation scale divided by (transformers' kernels
 # floor it so; an all-zero group then gives zero codes).
@@ -58,14 +68,64 @@ _E4M3_MAX = 448.0
 _SMALLEST_ACTIVATION_SCALE = 1e-12
 
 
-def require_cpu(device: torch.device, what: str) -> None:
-    """NotImplementedError unless `device` is the CPU, the one device quantized experts run on."""
-    if device.type == "cpu":
-        return
-    if device.type == "cuda":
-        raise NotImplementedError(f"{what} is on {device}: {CUDA_NOT_IMPLEMENTED}; run the experts on the CPU, or "
-                                  f"dequantize them")
-    raise NotImplementedError(f"{what} is on {device}: quantized experts run on the CPU only")
+def require_device(device: torch.device, what: str) -> None:
+    """NotImplementedError unless `device` is one of DEVICES (the CPU or a CUDA device)."""
+    if device.type not in DEVICES:
+        raise NotImplementedError(f"{what} is on {device}: quantized experts run on the CPU and CUDA devices")
+
+
+def require_rows_dtype(dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """TypeError unless rows of `dtype` are computed on `device` (ROW_DTYPES): float64 on CUDA is
+    refused, since its products dequantize one expert at a time in a loop on the host."""
+    allowed = ROW_DTYPES.get(device.type, ())
+    if dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        extra = " (float64 dequantizes one expert's matrix at a time in a loop on the host: it runs on the CPU)" \
+            if dtype == torch.float64 and device.type == "cuda" else ""
+        raise TypeError(f"{what} is {dtype} on {device}: quantized experts on {device.type} take {names} "
+                        f"tokens{extra}")
+
+
+def require_same_device(device: torch.device, stacks_device: torch.device, what: str) -> None:
+    """ValueError unless `device` (a call's tokens, routing or biases) is the stacks' device."""
+    if device != stacks_device:
+        raise ValueError(f"{what}: on {device}, but the experts' stacks lie on {stacks_device}; every tensor of a "
+                         f"quantized experts call must lie on one device")
+
+
+class Float32Copies:
+    """float32 copies of bfloat16 / float16 tensors (biases) made once and kept while their source is
+    the same tensor, unchanged (its version counter), so that a call does not convert them again
+    (the operators add biases in float32; the widening is exact).  Other tensors pass as they are.
+    An owner keeps one as a plain attribute: nothing enters its state_dict; a copy or a pickle of the
+    owner starts empty."""
+    __slots__ = ("_kept",)
+
+    _WIDENED = (torch.bfloat16, torch.float16)
+
+    def __init__(self):
+        self._kept: Dict[str, tuple] = {}
+
+    def __reduce__(self):
+        return Float32Copies, ()
+
+    def __deepcopy__(self, memo):
+        return Float32Copies()
+
+    def of(self, name: str, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """`tensor` in float32 where it is bfloat16 / float16 (kept under `name`), else `tensor`."""
+        if tensor is None or tensor.dtype not in self._WIDENED:
+            return tensor
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor tracks no version: converted on every call
+            return tensor.detach().float()
+        kept = self._kept.get(name)
+        if kept is not None and kept[0]() is tensor and kept[1] == version:
+            return kept[2]
+        copy = tensor.detach().float()
+        self._kept[name] = (weakref.ref(tensor), version, copy)
+        return copy
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -95,16 +155,25 @@ def dequantize_expert(stack: QuantizedWeights, expert: int, dtype: torch.dtype) 
 
 def dynamic_activations(values: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
     """[n, K] activations quantized per row and per `group` columns to E4M3 with the float32 scale
-    amax / 448, returned dequantized (codes * scale) in `dtype` (see the module docstring)."""
+    amax / 448, returned dequantized (codes * scale) in `dtype` (see the module docstring).
+
+    Elementwise PyTorch operators only, no value read on the host (on CUDA: seven launches, one more
+    to widen 16-bit values, one more to pad a last partial group)."""
     rows, columns = values.shape
     groups = -(-columns // group)
-    padded = values.new_zeros((rows, groups * group), dtype=torch.float32)
-    padded[:, :columns] = values
-    grouped = padded.view(rows, groups, group)
-    scale = grouped.abs().amax(dim=2, keepdim=True) / _E4M3_MAX
-    codes = (grouped / scale.clamp(min=_SMALLEST_ACTIVATION_SCALE)).clamp_(-_E4M3_MAX, _E4M3_MAX)
-    codes = codes.to(torch.float8_e4m3fn).to(dtype)
-    return codes.mul_(scale.to(dtype)).view(rows, groups * group)[:, :columns]
+    if groups * group == columns:  # whole groups: no padding
+        wide = values if values.dtype == torch.float32 else values.float()
+    else:  # the last group padded with zeros, which change no group's largest magnitude
+        wide = values.new_zeros((rows, groups * group), dtype=torch.float32)
+        wide[:, :columns] = values
+    grouped = wide.reshape(rows, groups, group)
+    scale = torch.linalg.vector_norm(grouped, float("inf"), dim=2, keepdim=True).div_(_E4M3_MAX)  # amax / 448
+    # |value| / (amax / 448) exceeds 448 by rounding only (two roundings of 2^-24 each): E4M3's
+    # round-to-nearest takes it to 448 (the next code, 480, lies past the midpoint 464), so no clamp
+    # of the codes is needed for finite values.
+    codes = (grouped / scale.clamp(min=_SMALLEST_ACTIVATION_SCALE)).to(torch.float8_e4m3fn).to(dtype)
+    codes = codes.mul_(scale if dtype == torch.float32 else scale.to(dtype)).view(rows, groups * group)
+    return codes if groups * group == columns else codes[:, :columns]
 
 
 def _with_bias(product: torch.Tensor, bias: Optional[torch.Tensor], expert: int) -> torch.Tensor:
@@ -134,9 +203,11 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
     """The experts' outputs for [n, H] rows grouped by expert (see the module docstring).
 
     Args:
-        rows: [n, H] CPU rows, float32 / float64 / bfloat16 / float16; expert e's are
-            rows[ends[e-1]:ends[e]] (rows past the last end give zeros).
-        ends: [E] non-decreasing end of each expert's rows (ints, or an integer CPU tensor).
+        rows: [n, H] rows on the CPU (float32 / float64 / bfloat16 / float16) or a CUDA device
+            (float32 / bfloat16 / float16); expert e's are rows[ends[e-1]:ends[e]] (rows past
+            the last end give zeros).
+        ends: [E] non-decreasing end of each expert's rows: ints, or an integer tensor (on CUDA
+            an int32 tensor on the rows' device, never read on the host; ints are copied there).
         up: the up projections: (E, U, H), with U = 2I gate and up rows for gated experts (the rule
             of `unit` / `gate_fn` reads them), U = I otherwise; or the ups alone (E, I, H) with
             `gate_weight`.
@@ -157,10 +228,10 @@ def quantized_expert_products(rows: torch.Tensor, ends: Union[Sequence[int], tor
     Returns:
         [n, O] in rows' dtype.
     """
-    require_cpu(rows.device, "rows")
     if rows.dtype != torch.float64:
         return _compiled_products(rows, ends, up, down, gate_weight, unit, gate_fn, activation,
                                   activations == DYNAMIC, up_bias, down_bias)
+    require_rows_dtype(rows.dtype, rows.device, "rows")  # (float64: the CPU only, a loop on the host)
     if isinstance(ends, torch.Tensor):
         ends = ends.tolist()
     dtype, wide = rows.dtype, compute_dtype(rows.dtype)
@@ -197,6 +268,38 @@ def _gated(hidden: torch.Tensor, unit: Optional[GatedUnit], gate_fn: Optional[Ca
     return activation(hidden)
 
 
+def _stack_operands(stack: QuantizedWeights) -> tuple:
+    """(format, codes, scales, global_scale, block) as quantized_grouped_linear takes a stack."""
+    codes, scales, global_scale = _stack_tensors(stack)
+    return (stack.format, codes, scales, global_scale,
+            list(stack.block) if isinstance(stack, Fp8BlockWeights) else [])
+
+
+def _device_ends(ends: Union[Sequence[int], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """The group ends as an int32 tensor on the rows' (CUDA) device, as its kernel reads them:
+    converted there where they come in another form (nothing read back to the host)."""
+    if not isinstance(ends, torch.Tensor):
+        return torch.tensor(list(ends), dtype=torch.int32, device=rows.device)
+    return ends if ends.dtype == torch.int32 and ends.device == rows.device else \
+        ends.to(device=rows.device, dtype=torch.int32)
+
+
+def _grouped_linear(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], stack: QuantizedWeights,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """quantized_grouped_linear of checked arguments.  On the CPU its public wrapper (which checks
+    the ends' values, reading them); on CUDA the operator itself, with the ends an int32 device
+    tensor and the bias in float32 (what its kernel reads), so the call reads nothing back."""
+    if rows.device.type == "cpu":
+        return quantized_grouped_linear(rows, ends, stack, bias)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    return torch.ops.tutel.quantized_grouped_linear(rows, _device_ends(ends, rows), *_stack_operands(stack), bias)
+
+
+def _in_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return values if values.dtype == dtype else values.to(dtype)
+
+
 def _compiled_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], up: QuantizedWeights,
                        down: QuantizedWeights, gate_weight: Optional[QuantizedWeights], unit: Optional[GatedUnit],
                        gate_fn: Optional[Callable], activation: Optional[Callable], dynamic: bool,
@@ -204,21 +307,29 @@ def _compiled_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tens
     """quantized_expert_products for float32 / bfloat16 / float16 rows: both products on tutel's
     quantized_grouped_linear operator, which decodes each expert's weights strip by strip as it
     multiplies (W8A8: the activations quantized and dequantized first, then multiplied in float32
-    with the weights exact, which is the product of the dequantized operands)."""
+    with the weights exact, which is the product of the dequantized operands).  On CUDA: the two
+    products (three with a gate stack apart), the unit, and W8A8's elementwise quantization; no
+    host synchronisation."""
     dtype = rows.dtype
+    if rows.device.type != "cpu" and not isinstance(ends, torch.Tensor):
+        ends = _device_ends(ends, rows)  # (once for every product)
     with torch.no_grad():  # the stacks' float8 tensors may require grad; nothing here is differentiated
         values = dynamic_activations(rows, up.block[1], torch.float32) if dynamic else rows
         if gate_weight is None:
-            hidden = quantized_grouped_linear(values, ends, up, up_bias)
+            hidden = _gated(_in_dtype(_grouped_linear(values, ends, up, up_bias), dtype), unit, gate_fn, activation)
         else:  # [gate | up]: the bias' halves with their stacks
             inner = up.out_features
             gate_bias, ups_bias = (None, None) if up_bias is None else (up_bias[:, :inner], up_bias[:, inner:])
-            hidden = torch.cat((quantized_grouped_linear(values, ends, gate_weight, gate_bias),
-                                quantized_grouped_linear(values, ends, up, ups_bias)), dim=1)
-        hidden = _gated(hidden.to(dtype), unit, gate_fn, activation)
+            gates = _grouped_linear(values, ends, gate_weight, gate_bias)
+            ups = _grouped_linear(values, ends, up, ups_bias)
+            if unit is not None:  # the fused unit reads both products where they are (no concatenation)
+                hidden = apply_gated_unit_pair(_in_dtype(gates, dtype), _in_dtype(ups, dtype), unit)
+            else:
+                hidden = _gated(_in_dtype(torch.cat((gates, ups), dim=1), dtype), None, gate_fn, activation)
         if dynamic:
             hidden = dynamic_activations(hidden, down.block[1], torch.float32)
-        return quantized_grouped_linear(hidden, ends, down, down_bias).to(dtype)
+        out = _grouped_linear(hidden, ends, down, down_bias)
+        return out if out.dtype == dtype else out.to(dtype)
 
 
 def check_activations(activations: object, stacks: Sequence[Tuple[str, QuantizedWeights]], where: str) -> None:
@@ -241,14 +352,19 @@ def check_quantized_experts(up: object, down: object, gate_weight: object, gated
     Raises:
         TypeError: a stack is no tutel.quant stack.
         ValueError: expert counts, widths, devices or `activations` do not fit together.
-        NotImplementedError: a stack lies on CUDA (or another device than the CPU).
+        NotImplementedError: a stack lies on another device than the CPU or a CUDA device.
     """
     stacks = [("up", up), ("down", down)] + ([("gate_weight", gate_weight)] if gate_weight is not None else [])
     for name, stack in stacks:
         if not isinstance(stack, QuantizedWeights):
             raise TypeError(f"{where}: `{name}` must be a tutel.quant stack (Fp8BlockWeights, Mxfp4Weights, "
                             f"Nvfp4Weights), got {type(stack).__name__}")
-        require_cpu(stack.device, f"{where}: `{name}`")
+        require_device(stack.device, f"{where}: `{name}`")
+    devices = [stack.device for _, stack in stacks]
+    if any(device != devices[0] for device in devices):
+        raise ValueError(f"{where}: the stacks lie on different devices "
+                         f"({', '.join(f'`{name}` on {device}' for (name, _), device in zip(stacks, devices))}); "
+                         f"every stack of the experts must lie on one device")
     check_activations(activations, stacks, where)
     experts, width = up.experts, up.in_features
     for name, stack in stacks:
@@ -269,8 +385,6 @@ def check_quantized_experts(up: object, down: object, gate_weight: object, gated
     if down.in_features != inner:
         raise ValueError(f"{where}: `down` {down.shape} must take the {inner} hidden values the up projection "
                          f"gives (E, O, {inner})")
-    if gate_weight is not None and gate_weight.device != up.device or down.device != up.device:
-        raise ValueError(f"{where}: the stacks lie on different devices ({up.device}, {down.device})")
     return width
 
 
@@ -278,12 +392,12 @@ def check_expert_biases(up_bias: object, down_bias: object, up: QuantizedWeights
                         gate_weight: Optional[QuantizedWeights], where: str) -> None:
     """Checks the experts' optional biases against their (checked) stacks: `up_bias` [E, U] laid out
     as the values the gate rule reads (`up`'s rows; [gate | up], 2I, with `gate_weight`), `down_bias`
-    [E, O]; any floating dtype, on the CPU.
+    [E, O]; any floating dtype, on the stacks' device.
 
     Raises:
         TypeError: a bias is no tensor, or not floating point.
-        ValueError: a bias's shape is not the one expected (naming both).
-        NotImplementedError: a bias lies on CUDA (or another device than the CPU).
+        ValueError: a bias's shape is not the one expected (naming both), or it lies on another
+            device than the stacks.
     """
     experts = up.experts
     up_width = up.out_features * (1 if gate_weight is None else 2)
@@ -299,7 +413,7 @@ def check_expert_biases(up_bias: object, down_bias: object, up: QuantizedWeights
         if tuple(bias.shape) != (experts, width):
             raise ValueError(f"{where}: `{name}` has shape {tuple(bias.shape)}; expected [E, {size}] = "
                              f"({experts}, {width}), laid out as {what}")
-        require_cpu(bias.device, f"{where}: `{name}`")
+        require_same_device(bias.device, up.device, f"{where}: `{name}`")
 
 
 # -- at decoding sizes: tutel's decode_quantized_experts operator ---------------------------------
@@ -395,10 +509,12 @@ def decode_quantized_products(x: torch.Tensor, expert_ids: torch.Tensor, weights
     decode_quantized_experts operator (tutel.ops.decode_quantized_experts has the formula).
 
     For arguments the callers checked (the stacks, the routing, the biases; `form` from
-    ``decode_form``), on CPU tokens of DECODE_DTYPES: the public wrapper's checks are skipped, as
-    they would cost more Python than the rest of a decoding step (the operator checks the shapes
-    itself).  Integer ids of other dtypes than int32 / int64 are widened; the biases are taken in
-    float32, as the operator adds them."""
+    ``decode_form``), on CPU or CUDA tokens of DECODE_DTYPES: the public wrapper's checks are
+    skipped, as they would cost more Python than the rest of a decoding step (the operator checks
+    the shapes itself).  Integer ids of other dtypes than int32 / int64 are widened; the biases are
+    taken in float32, as the operator adds them (a bias of another dtype costs a conversion per
+    call: Float32Copies keeps them converted).  On CUDA the device's operator as tutel.ops.backend
+    chose it (the two kernels; the composite operator where they failed the self-check)."""
     if expert_ids.dtype != torch.int64 and expert_ids.dtype != torch.int32:
         expert_ids = expert_ids.long()
     if up_bias is not None and up_bias.dtype != torch.float32:
@@ -407,6 +523,8 @@ def decode_quantized_products(x: torch.Tensor, expert_ids: torch.Tensor, weights
         down_bias = down_bias.float()
     gate_up, gate_up_scales, gate_up_global = _stack_tensors(up)
     down_codes, down_scales, down_global = _stack_tensors(down)
-    return torch.ops.tutel.decode_quantized_experts(
+    operator = torch.ops.tutel.decode_quantized_experts if x.device.type == "cpu" else \
+        operators_for(x.device).decode_quantized_experts
+    return operator(
         x, expert_ids, weights, form.format, gate_up, gate_up_scales, gate_up_global, down_codes, down_scales,
         down_global, form.block, up_bias, down_bias, *form.unit)

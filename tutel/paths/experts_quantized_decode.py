@@ -1,7 +1,7 @@
-"""Experts stage for CPU inference of quantized experts at decoding sizes: tutel's
+"""Experts stage for CPU and CUDA inference of quantized experts at decoding sizes: tutel's
 decode_quantized_experts operator reads each chosen expert's packed codes once for all the tokens
 that chose it, decoding them as it reads, with the unit and the weighted combine fused (one
-operator call, the routed choices as the caller gave them)."""
+operator call, two kernels on CUDA; the routed choices as the caller gave them)."""
 from .work import Work
 
 

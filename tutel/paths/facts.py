@@ -111,21 +111,23 @@ def quantized_experts_facts(x: torch.Tensor, expert_ids: torch.Tensor, weights: 
     stacks are no matrices in the tokens' dtype, so neither the one-call operator nor the CUDA
     decode kernels take them (``gated_experts`` and ``decode_kernel`` do not hold), and they record
     no gradient of their own (their biases are refused with the tokens where autograd would record
-    them).  ``quantized_decode``: CPU tokens of the decode operator's dtypes, up to its line, and
-    experts it computes (asked last: their form is worked out on the first question)."""
+    them), and no matrix product of PyTorch multiplies them (``cublas_dtype`` does not hold: on CUDA
+    they keep their grouped products, which read nothing back, never the per-expert products that
+    read the group ends on the host).  ``quantized_decode``: CPU or CUDA
+    tokens of the decode operator's dtypes, up to its line, and experts it computes (asked last:
+    their form is worked out on the first question)."""
     device = _DEVICE_KINDS.get(x.device.type, "other")
-    cublas_dtype = x.dtype in _CUBLAS_DTYPES
     traced = _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
     return {
         "device": device,
         "gradient": torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weights, experts.up_bias, experts.down_bias)),
         "traced": traced,
-        "capturing": device == "cuda" and cublas_dtype and not traced and stream_capturing(),
-        "cublas_dtype": cublas_dtype,
+        "capturing": False,  # (asked only for a cublas_dtype)
+        "cublas_dtype": False,
         "gated_experts": False,
         "rows_fit_one_call": fits_one_call(expert_ids.numel()),
         "decode_kernel": False,
-        "quantized_decode": device == "cpu" and x.shape[0] <= QUANTIZED_DECODE_MAX_TOKENS and
+        "quantized_decode": device != "other" and x.shape[0] <= QUANTIZED_DECODE_MAX_TOKENS and
         x.dtype in DECODE_DTYPES and experts.decode_form() is not None,
     }

@@ -97,8 +97,8 @@ class QuantizedExperts:
     between the two products.  They offer ``grouped_products`` as WeightExperts do, so they run on
     the experts entry's stages (the one-call operator and the CUDA decode kernels do not take them:
     ``gated_experts`` and ``decode_kernel`` do not hold); called as ``experts(rows, plan)`` they map
-    [n, H] rows grouped as `plan` says to their [n, O] outputs (tutel.ops.quantized_experts, one
-    expert's matrices dequantized at a time).  At decoding sizes ``decode(x, expert_ids, weights)``
+    [n, H] rows grouped as `plan` says to their [n, O] outputs (tutel.ops.quantized_experts: tutel's
+    quantized_grouped_linear over the rows, on the CPU or CUDA).  At decoding sizes ``decode(x, expert_ids, weights)``
     runs them in one call of tutel's decode_quantized_experts operator, where ``decode_form()``
     is not None (the ``quantized_decode`` fact)."""
     __slots__ = ("up", "down", "gate_weight", "unit", "gate_fn", "activation", "activations", "num_experts",
@@ -140,7 +140,7 @@ class QuantizedExperts:
 
     def decode(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """The [T, O] weighted sum of the tokens' experts by the decode operator (decode_form() must
-        not be None; x on the CPU, of tutel.ops.quantized_experts.DECODE_DTYPES)."""
+        not be None; x on the CPU or CUDA, of tutel.ops.quantized_experts.DECODE_DTYPES)."""
         return decode_quantized_products(x, expert_ids, weights, self.up, self.down, self.decode_form(),
                                          self.up_bias, self.down_bias)
 

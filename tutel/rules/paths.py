@@ -70,9 +70,10 @@ FACTS: Dict[str, str] = {
     "decode_kernel": "tutel's decode_experts kernels take the call: CUDA, up to 32 tokens and 256 choices, "
                      "within the line measured for the GPU and dtype (tutel.ops.decode_experts."
                      "decode_experts_supported)",
-    "quantized_decode": "tutel's decode_quantized_experts operator takes the quantized experts' call: weight-only, "
-                        "a GatedUnit or an up-only gelu / relu it recognises, no gate stack of their own, float32 / "
-                        "bfloat16 / float16 tokens, up to 32 of them (tutel.rules.lines.QUANTIZED_DECODE_MAX_TOKENS)",
+    "quantized_decode": "tutel's decode_quantized_experts operator takes the quantized experts' call: CPU or CUDA "
+                        "tokens, weight-only, a GatedUnit or an up-only gelu / relu it recognises, no gate stack of "
+                        "their own, float32 / bfloat16 / float16 tokens, up to 32 of them "
+                        "(tutel.rules.lines.QUANTIZED_DECODE_MAX_TOKENS)",
 }
 
 
@@ -135,9 +136,10 @@ RULES: Tuple[Rule, ...] = (
     _rule(LAYER, Path.PADDED, "Tutel's [E, C, M] expert buffer (any experts module)"),
     _rule(EXPERTS, Path.EXPERTS_ONE_CALL, "CPU inference of gated experts at decoding sizes: one operator call",
           **_CPU_INFERENCE, gated_experts=True, rows_fit_one_call=True),
-    _rule(EXPERTS, Path.EXPERTS_QUANTIZED_DECODE, "CPU inference of quantized experts at decoding sizes: each "
-          "chosen expert's packed codes read once and decoded as they are read, in one operator call",
-          **_CPU_INFERENCE, quantized_decode=True),
+    _rule(EXPERTS, Path.EXPERTS_QUANTIZED_DECODE, "CPU or CUDA inference of quantized experts at decoding sizes: "
+          "each chosen expert's packed codes read once and decoded as they are read, in one operator call (two "
+          "kernels on CUDA, no host synchronisation)", device=("cpu", "cuda"), gradient=False, traced=False,
+          quantized_decode=True),
     _rule(EXPERTS, Path.EXPERTS_PIECES, "CPU inference: the kept rows in bounded pieces, the operators called "
           "directly", **_CPU_INFERENCE),
     _rule(EXPERTS, Path.EXPERTS_DECODE, "CUDA inference of gated experts at decoding sizes: each chosen expert's "
@@ -146,7 +148,8 @@ RULES: Tuple[Rule, ...] = (
     _rule(EXPERTS, Path.EXPERTS_PER_EXPERT, "CUDA, float16 / float32 / float64, eager: the group ends read on the "
           "host (one synchronisation), then one cuBLAS product per expert with rows (tutel.ops.per_expert_mm)",
           device="cuda", cublas_dtype=True, capturing=False, traced=False),
-    _rule(EXPERTS, Path.EXPERTS_GROUPED, "one grouped buffer through autograd (training, tracing, devices)"),
+    _rule(EXPERTS, Path.EXPERTS_GROUPED, "one grouped buffer through autograd (training, tracing, devices; "
+          "quantized experts on CUDA past decoding sizes: their grouped products, no host synchronisation)"),
 )
 
 

@@ -2,8 +2,8 @@
 on the CPU: "tutel" in every experts registry (no KeyError at the first forward), the module read once
 per state, its output against a float64 reference written here (weight-only, and W8A8 by DeepSeek-V3's
 activation rule), greedy generation of tiny models against transformers' eager experts on the same
-weights dequantized to bfloat16, and the refusals (CUDA: tutel issue 45; static activation scales;
-layouts and calls tutel cannot run).
+weights dequantized to bfloat16, and the refusals (tensors on two devices; static activation scales;
+layouts and calls tutel cannot run).  The CUDA path's launches: test_quantized_cuda_launches.py.
 
 On a CPU-only machine transformers dequantizes an FP8 checkpoint at load time, so the FP8 experts
 are built here as transformers' quantizer builds them (``use_experts_implementation(FP8Experts,
@@ -391,28 +391,37 @@ def _fake_cuda(tensor):
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cuda")
 
 
-def test_fp8_experts_on_cuda_are_refused_naming_issue_45():
+def test_fp8_experts_with_tensors_on_two_devices_are_refused():
     model, _ = fp8_model("qwen3_moe", (16, 16), torch.float32)
     experts = model.model.layers[0].mlp.experts
     experts.down_proj = torch.nn.Parameter(_fake_cuda(experts.down_proj))
-    message = (r"TinyFP8Experts: `down_proj` is on cuda.*"
-               r"quantized experts on CUDA are not implemented yet \(tutel issue 45\)")
-    with pytest.raises(NotImplementedError, match=message):
+    message = r"TinyFP8Experts \(down_proj\).*scale_inv: on cpu but weight on cuda:0; expected all tensors of one"
+    with pytest.raises(fp8_experts.UnsupportedExpertsLayout, match=message):
         tutel_hf.enable(model)
-    model.set_experts_implementation("tutel")  # unchecked: the first call refuses
+
+
+def test_tokens_on_another_device_than_the_fp8_experts_are_refused():
+    module, _, _ = experts_module((16, 16))
     x, ids, weights = inputs(3, 2, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(ValueError, match=r"the tokens: on cuda:0, but the experts' stacks lie on cpu"):
         with torch.no_grad():
-            experts(x, ids, weights)
+            module(_fake_cuda(x), ids, weights)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fp8_experts_moved_to_a_cuda_device_are_refused():
-    module, _, _ = experts_module((16, 16))
+@pytest.mark.parametrize("scheme", ["weight_only", "dynamic"])
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_fp8_experts_moved_to_a_cuda_device_equal_the_float64_reference(scheme, tokens):
+    module, up, down = experts_module((16, 16), seed=3)
+    module.tutel_fp8_activations = scheme
     module.cuda()
-    x, ids, weights = inputs(3, 2, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="tutel issue 45"), torch.no_grad():
-        module(x.cuda(), ids.cuda(), weights.cuda())
+    x, ids, weights = inputs(tokens, 2, torch.bfloat16, seed=4)
+    with torch.no_grad():
+        y = module(x.cuda(), ids.cuda(), weights.cuda())
+    groups = (16, 16) if scheme == "dynamic" else None
+    tolerance = (W8A8_TOLERANCE if scheme == "dynamic" else WEIGHT_ONLY_TOLERANCE)[torch.bfloat16]
+    assert_close_to(y.cpu(), reference(x, ids, weights, up, down, swiglu, torch.bfloat16, groups), torch.bfloat16,
+                    tolerance)
 
 
 def test_a_call_autograd_would_record_says_what_to_do():

@@ -20,12 +20,12 @@ can run (a dense model; Llama 4, whose experts transformers does not dispatch) r
 ``NoExpertsModule`` there.
 
 transformers' FP8 experts (``FP8Experts``, fine-grained FP8 checkpoints such as DeepSeek-V3's),
-which transformers dispatches through a registry of their own, run through "tutel" on the CPU
-(``fp8_experts``; CUDA: tutel issue 45).
+which transformers dispatches through a registry of their own, run through "tutel" on the CPU and
+CUDA (``fp8_experts``).
 
 gpt-oss' MXFP4 experts, which transformers dequantizes at load on a CPU and runs outside the
 registries on a GPU (``Mxfp4GptOssExperts``), keep their packed bytes with
-``use_mxfp4_experts(model, expert_tensors)`` (``gpt_oss_mxfp4``; the CPU, CUDA: tutel issue 45).
+``use_mxfp4_experts(model, expert_tensors)`` (``gpt_oss_mxfp4``; the CPU and CUDA).
 
 Supported: transformers 5.7.0 (the first release whose ``experts_implementation`` accepts a
 registered implementation) and later 5.x releases, tested against 5.7.0 and the newest; an older

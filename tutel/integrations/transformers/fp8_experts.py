@@ -1,5 +1,5 @@
 """transformers' FP8 experts (``FP8Experts``, transformers.integrations.finegrained_fp8) through
-"tutel", on the CPU.
+"tutel", on the CPU and CUDA.
 
 transformers builds the experts of a fine-grained FP8 checkpoint (DeepSeek-V3's format:
 float8_e4m3fn weights, one scale per 128 x 128 block) as ``FP8Experts`` and looks their forward up
@@ -7,8 +7,9 @@ in ``ALL_FP8_EXPERTS_FUNCTIONS``, a registry apart from ``ALL_EXPERTS_FUNCTIONS`
 ``registration.register`` adds "tutel" there with ``tutel_fp8_experts_forward``.  It reads the
 module once per state of the module (``module_experts.kept_reading``) into tutel.quant
 ``Fp8BlockWeights`` over the module's own tensors (views, no copies) and runs
-``tutel.experts.quantized.run_quantized``: each chosen expert's matrices dequantized one expert at
-a time, float32 accumulation, the activations in the model's dtype between the products.
+``tutel.experts.quantized.run_quantized``: tutel's decode_quantized_experts operator at decoding
+sizes (weight-only), its quantized_grouped_linear products over the rows grouped by expert
+otherwise; float32 accumulation, the activations in the model's dtype between the products.
 
 What is read, and from where:
 
@@ -31,19 +32,22 @@ What is read, and from where:
   ``enable(model, fp8_activations=...)`` overrides the scheme per module ("weight_only": the
   activations unquantized; "dynamic").
 
-The experts run on the CPU only: a module on CUDA raises NotImplementedError at ``enable`` or its
-first call (tutel issue 45 adds the kernels).  Inference only: a call that autograd would record
-raises NotImplementedError saying what to do.
+The experts run on the CPU and on CUDA, where nothing is read back to the host (W8A8's activations
+are quantized by elementwise PyTorch operators on the device).  Tokens on another device than the
+module's tensors raise ValueError, float64 tokens on CUDA TypeError (their path runs on the CPU).
+Inference only: a call that autograd would record raises NotImplementedError saying what to do.
 """
 import math
 import weakref
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from ...experts.quantized import run_quantized
+from ...ops.backend import fake_mode_active
 from ...ops.gated_units import SWIGLU, GatedUnit
-from ...ops.quantized_experts import ACTIVATIONS, DYNAMIC, check_quantized_experts, require_cpu
+from ...ops.quantized_experts import ACTIVATIONS, DYNAMIC, check_quantized_experts, require_device
 from ...paths import QuantizedExperts
 from ...quant import Fp8BlockWeights
 from .forward import experts_forward
@@ -130,9 +134,27 @@ def _block(module: torch.nn.Module) -> Optional[Tuple[int, int]]:
     return int(block[0]), int(block[1])
 
 
+def _values_unreadable(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors' values cannot be read: fake tensors (a trace on fake CUDA tensors, as
+    tests/python/launch_count.py makes) or tensors on the meta device."""
+    return fake_mode_active() or any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
 def _stack(module: torch.nn.Module, name: str, weight: torch.Tensor, scale: torch.Tensor,
            block: Tuple[int, int], gate_up_rows: Optional[str] = None) -> Fp8BlockWeights:
     try:
+        if _values_unreadable(weight, scale):
+            # Shapes, dtypes and block checked on a stand-in of one zero element per tensor (expanded
+            # to their shapes, on the CPU), then its format put over the tensors: their values (the
+            # scales' finiteness) cannot be read, and a read would be a host synchronisation.
+            def stand_in(tensor):
+                return torch.zeros((1,) * tensor.dim(), dtype=tensor.dtype, device="cpu").expand(tensor.shape)
+            with unset_fake_temporarily():
+                template = Fp8BlockWeights(stand_in(weight), stand_in(scale), block=block, gate_up_rows=gate_up_rows)
+            if weight.device != scale.device:
+                raise ValueError(f"scale_inv: on {scale.device} but weight on {weight.device}; expected all tensors "
+                                 f"of one expert stack on one device")
+            return template.with_tensors({"weight": weight, "scale_inv": scale})
         return Fp8BlockWeights(weight, scale, block=block, gate_up_rows=gate_up_rows)
     except (TypeError, ValueError) as error:
         raise UnsupportedExpertsLayout(module, name, f"`{name}` and `{name}_scale_inv` are no block-FP8 stack: "
@@ -205,8 +227,8 @@ def read_fp8_layout(module: torch.nn.Module) -> Fp8ExpertsLayout:
     Raises:
         UnsupportedExpertsLayout: flags, tensors or settings tutel cannot run, naming the module
             class and the flag or tensor.
-        NotImplementedError: activation_scheme="static", or the module's tensors on CUDA (tutel
-            issue 45) or another device than the CPU.
+        NotImplementedError: activation_scheme="static", or the module's tensors on another device
+            than the CPU or a CUDA device.
     """
     _, has_bias, transposed, concatenated, post_norm, expert_parallel = (
         None if flag == "has_gate" else _flag(module, flag) for flag in FLAGS)
@@ -226,7 +248,7 @@ def read_fp8_layout(module: torch.nn.Module) -> Fp8ExpertsLayout:
     activations = _activations(module)
     where = f'experts_implementation="tutel": {type(module).__name__}'
     for name, tensor in zip((up_name, up_name + "_scale_inv", "down_proj", "down_proj_scale_inv"), tensors):
-        require_cpu(tensor.device, f"{where}: `{name}`")
+        require_device(tensor.device, f"{where}: `{name}`")
     num_experts = getattr(module, "num_experts", None)
     if not isinstance(num_experts, int) or isinstance(num_experts, bool):
         raise UnsupportedExpertsLayout(module, "num_experts", f"must be an int, got {num_experts!r}")
@@ -303,11 +325,12 @@ def kept_fp8_layout(module: torch.nn.Module) -> KeptFp8Layout:
 
 
 tutel_fp8_experts_forward = experts_forward(kept_fp8_layout, run_quantized, "tutel_fp8_experts_forward", """\
-Runs one of transformers' FP8 experts modules (``self``) through tutel on the CPU.
+Runs one of transformers' FP8 experts modules (``self``) through tutel on the CPU or CUDA.
 
 Args:
     self: an ``FP8Experts`` module (declared with ``@use_experts_implementation``).
-    hidden_states: [T, H] tokens (bfloat16, float16, float32 or float64).
+    hidden_states: [T, H] tokens on the module's device (bfloat16, float16, float32; float64 on
+        the CPU).
     top_k_index: [T, k] chosen experts; ids outside [0, num_experts) contribute nothing.
     top_k_weights: [T, k] routing weights.
 
@@ -316,6 +339,7 @@ Returns:
 
 Raises:
     UnsupportedExpertsLayout: the module's flags or tensors describe experts tutel cannot run.
-    NotImplementedError: activation_scheme="static", tensors on CUDA (tutel issue 45), or a
-        call autograd would record.
+    NotImplementedError: activation_scheme="static", or a call autograd would record.
+    ValueError: tokens or expert ids on another device than the module's tensors.
+    TypeError: float64 tokens on CUDA.
 """)

@@ -18,15 +18,15 @@ at load (``GptOssExperts``), four times the bytes.
 ``use_mxfp4_experts`` replaces every gpt-oss experts module of a model by ``TutelGptOssMxfp4Experts``:
 the packed bytes, scales and biases as buffers under the checkpoint's own names (so
 ``model.state_dict()`` holds them, and ``save_pretrained`` writes what the checkpoint holds),
-nothing else, and a forward that runs ``tutel.experts.routed_quantized_experts``: each chosen
-expert's matrices dequantized one expert at a time, float32 accumulation.  The packed weights come
+nothing else, and a forward that runs ``tutel.experts.routed_quantized_experts``: tutel's
+decode_quantized_experts operator at decoding sizes, its quantized_grouped_linear products over the
+rows grouped by expert otherwise, float32 accumulation.  The packed weights come
 from the checkpoint's tensors (``expert_tensors``), from transformers' ``Mxfp4GptOssExperts`` of a
 model loaded quantized (on a GPU), or, with ``quantize=True``, from the float experts quantized
 again (lossy: see ``use_mxfp4_experts``).
 
-The experts run on the CPU: on CUDA their forward raises NotImplementedError (tutel issue 45), so
-a model converted on a GPU runs once moved to the CPU (``model.to("cpu")`` moves the buffers).
-Inference only.
+The experts run on the CPU and on CUDA (``model.to(device)`` moves the buffers), where nothing is
+read back to the host.  Inference only.
 """
 from collections.abc import Mapping
 from typing import Dict, List, Optional, Tuple
@@ -35,6 +35,7 @@ import torch
 
 from ...experts.quantized import routed_quantized_experts
 from ...ops.gated_units import GatedUnit
+from ...ops.quantized_experts import Float32Copies
 from ...quant import Mxfp4Weights
 from ...quant.codes import E8M0_NAN
 from ...quant.mxfp4 import MX_BLOCK
@@ -50,7 +51,7 @@ def _shape(tensor: torch.Tensor) -> Tuple[int, ...]:
 
 
 class TutelGptOssMxfp4Experts(torch.nn.Module):
-    """gpt-oss' experts of one decoder layer as packed MXFP4, run by tutel on the CPU.
+    """gpt-oss' experts of one decoder layer as packed MXFP4, run by tutel on the CPU or CUDA.
 
     Args:
         gate_up_proj_blocks: (E, 2I, H / 32, 16) uint8 (or the same bytes as (E, 2I, H / 2)): the
@@ -111,6 +112,7 @@ class TutelGptOssMxfp4Experts(torch.nn.Module):
         self.register_buffer(f"{DOWN}_bias", down_proj_bias.to(torch.float32).contiguous())
         # Checked once: each call puts these templates over the buffers as they are then (no value read).
         self._templates = (gate_up.to("meta"), down.to("meta"))
+        self._float32 = Float32Copies()  # 16-bit biases as the operators add them (not in the state_dict)
 
     @property
     def alpha(self) -> float:
@@ -134,7 +136,8 @@ class TutelGptOssMxfp4Experts(torch.nn.Module):
         """gpt-oss' experts as transformers' ``GptOssExperts.forward`` takes them.
 
         Args:
-            hidden_states: [T, H] CPU tokens.
+            hidden_states: [T, H] tokens on the buffers' device (float32, bfloat16, float16;
+                float64 on the CPU).
             router_indices: [T, k] chosen experts (ids outside [0, E) contribute nothing).
             routing_weights: [T, k] their routing weights.
 
@@ -143,16 +146,19 @@ class TutelGptOssMxfp4Experts(torch.nn.Module):
 
         Raises:
             TypeError, ValueError: arguments that do not fit, naming them.
-            NotImplementedError: tokens or buffers on CUDA (tutel issue 45), or a call autograd would record.
+            NotImplementedError: a call autograd would record.
+            ValueError: tokens or routing on another device than the buffers (TypeError: float64 tokens
+                on CUDA).
         """
         for name, value in (("router_indices", router_indices), ("routing_weights", routing_weights)):
             if value is None:
                 raise TypeError(f"{type(self).__name__}.forward: `{name}` is required (gpt-oss' MLP passes the "
                                 f"router's indices and scores)")
         gate_up, down = self.stacks()
+        # (biases a model's .to(dtype) made 16-bit are widened once, not on every call)
         return routed_quantized_experts(hidden_states, router_indices, routing_weights, gate_up, down, gate=self.unit,
-                                        up_bias=getattr(self, f"{GATE_UP}_bias"),
-                                        down_bias=getattr(self, f"{DOWN}_bias"))
+                                        up_bias=self._float32.of("up", getattr(self, f"{GATE_UP}_bias")),
+                                        down_bias=self._float32.of("down", getattr(self, f"{DOWN}_bias")))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict copies values into the buffers, whose checks ran once, in the constructor:
@@ -349,8 +355,7 @@ def use_mxfp4_experts(model: torch.nn.Module, expert_tensors: Optional[Mapping] 
 
     The buffers lie on the device of the experts they replace (the tensors' own device for
     experts on the meta device); the replaced modules and their float weights are dropped.  The
-    experts run on the CPU; on CUDA their forward raises NotImplementedError (tutel issue 45):
-    ``model.to("cpu")`` first.  Every layer is checked before any is replaced.  Layers already
+    experts run on the CPU and on CUDA.  Every layer is checked before any is replaced.  Layers already
     converted are left as they are unless `expert_tensors` is given.
 
     Raises:

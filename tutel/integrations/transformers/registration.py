@@ -76,8 +76,7 @@ def check_model(model: torch.nn.Module) -> int:
 
     Raises:
         UnsupportedExpertsLayout: naming the first module class and flag tutel cannot run.
-        NotImplementedError: FP8 experts tutel cannot run yet (activation_scheme="static", or on
-            CUDA: tutel issue 45).
+        NotImplementedError: FP8 experts tutel cannot run yet (activation_scheme="static").
         NoExpertsModule: naming the model class, when none of its modules would run through tutel
             (a dense model, or one whose experts transformers does not dispatch).
     """
