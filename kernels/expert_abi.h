@@ -1,4 +1,5 @@
-/* What the expert kernels (grouped_rows_gemm.cu, decode_experts.cu, quantized_decode.cu) and their host code
+/* What the expert kernels (grouped_rows_gemm.cu, decode_experts.cu, quantized_decode.cu,
+ * quantized_grouped_linear.cu) and their host code
  * (csrc/cuda/launch_plan.h, csrc/ops/cuda) agree on: tile shapes and the argument structs
  * passed by value.  Plain C, read by both compilers. */
 #ifndef TUTEL_EXPERT_ABI_H
@@ -8,6 +9,13 @@
  * product, stepping through the reduction TUTEL_GEMM_DEPTH at a time. */
 #define TUTEL_GEMM_TILE 64
 #define TUTEL_GEMM_DEPTH 16
+
+/* quantized_grouped_linear.cu: each block computes a tile of TUTEL_QUANT_TILE_ROWS grouped rows
+ * (of one expert) by TUTEL_QUANT_TILE_COLS output features, TUTEL_QUANT_TILE_DEPTH input features
+ * at a time. */
+#define TUTEL_QUANT_TILE_ROWS 64
+#define TUTEL_QUANT_TILE_COLS 64
+#define TUTEL_QUANT_TILE_DEPTH 64
 
 /* decode_experts.cu: the unit outputs (gate/up kernel) or output features (down kernel) of one
  * block.  Matrices in the F.linear layout give each warp one of them (a matrix row);
@@ -53,12 +61,12 @@ struct TutelDecodeUnit {
 #define TUTEL_UNIT_GELU_TANH 2
 #define TUTEL_UNIT_RELU 3
 
-/* quantized_decode.cu: the weight formats (as csrc/core/quant_codes.h's QuantFormat). */
+/* quantized_decode.cu, quantized_grouped_linear.cu: the weight formats (as csrc/core/quant_codes.h's QuantFormat). */
 #define TUTEL_QUANT_MXFP4 0
 #define TUTEL_QUANT_NVFP4 1
 #define TUTEL_QUANT_FP8_BLOCK 2
 
-/* quantized_decode.cu: one stack [E, rows, cols] of expert matrices, every array contiguous:
+/* quantized_decode.cu, quantized_grouped_linear.cu: one stack [E, rows, cols] of expert matrices, every array contiguous:
  * codes uint8 [E, rows, cols / 2] (two E2M1 codes a byte, the even element in the low nibble) or
  * E4M3 bytes [E, rows, cols] (fp8_block); scales E8M0 bytes [E, rows, cols / 32] (mxfp4), E4M3
  * bytes [E, rows, cols / 16] (nvfp4) or float32 [E, ceil(rows / block_rows), ceil(cols /

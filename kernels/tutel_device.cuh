@@ -253,3 +253,90 @@ __device__ __forceinline__ i64 expert_of_grouped_row(const int* ends, i64 expert
   }
   return low;
 }
+
+// ------------------------------------------------------------ tensor cores --
+// One warp-wide matrix product on the tensor cores (sm_80 and later), D = A B + C for A 16 x 16
+// (row-major), B 16 x 8 (column-major), C and D 16 x 8 in float32, A and B in bfloat16
+// (mma_m16n8k16_bf16) or float16 (mma_m16n8k16_f16).  Every lane of the warp must call it, with
+// its fragments as the PTX ISA lays them out ("Matrix Fragments for mma.m16n8k16 with floating
+// point type", section 9.7.14.5.8 of the PTX ISA, checked against its text: A's elements a0..a7,
+// B's b0..b3, C's c0..c3), with g = lane >> 2 and t = lane & 3, each 32-bit register holding two
+// elements, the lower-numbered one in the low 16 bits:
+//   a[0] = A(g, 2t .. 2t+1)      a[1] = A(g+8, 2t .. 2t+1)
+//   a[2] = A(g, 2t+8 .. 2t+9)    a[3] = A(g+8, 2t+8 .. 2t+9)
+//   b[0] = B(2t .. 2t+1, g)      b[1] = B(2t+8 .. 2t+9, g)
+//   c[0], c[1] = C(g, 2t), C(g, 2t+1)    c[2], c[3] = C(g+8, 2t), C(g+8, 2t+1)   (d likewise)
+// The products of two bfloat16 or float16 numbers are exact in float32; the hardware sums them in
+// an order of its own.
+#ifndef TUTEL_HOST_EMULATION
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                  const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+}
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                 const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+}
+#else
+// The host-compiled build of the tests (tests/cpp/kernels_on_cpu): the same product from the
+// fragment layout above, each lane fetching the row of A and the two columns of B its outputs
+// need from the lanes that hold them (8 bytes a shuffle), then summing its four outputs in
+// float32, k ascending.
+template <bool kHalf>
+__device__ __forceinline__ float emulated_mma_element(unsigned pair, int high) {
+  const unsigned short bits = (unsigned short)(high ? pair >> 16 : pair & 0xffffu);
+  return kHalf ? emulated_cvt_f32_f16(bits) : __uint_as_float((unsigned)bits << 16);
+}
+
+template <bool kHalf>
+__device__ void emulated_mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                      const float (&c)[4]) {
+  const unsigned lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+  // row[r][k]: A(g + 8 r, k); col[j][k]: B(k, 2t + j).
+  float row[2][16], col[2][16];
+  const u64 a_low = (u64)a[0] | ((u64)a[1] << 32), a_high = (u64)a[2] | ((u64)a[3] << 32);
+  const u64 b_pair = (u64)b[0] | ((u64)b[1] << 32);
+  for (unsigned s = 0; s < 4; ++s) {
+    // Lane 4g + s holds A(g, 2s ..), A(g+8, 2s ..) and A(g, 2s+8 ..), A(g+8, 2s+8 ..); lane 4n + s
+    // holds B(2s .., n) and B(2s+8 .., n).
+    const u64 low = __shfl_sync(0xffffffffu, a_low, (int)(4 * g + s));
+    const u64 high = __shfl_sync(0xffffffffu, a_high, (int)(4 * g + s));
+    const u64 b0 = __shfl_sync(0xffffffffu, b_pair, (int)(4 * (2 * t) + s));
+    const u64 b1 = __shfl_sync(0xffffffffu, b_pair, (int)(4 * (2 * t + 1) + s));
+    for (int e = 0; e < 2; ++e) {
+      const unsigned k = 2 * s + e;
+      row[0][k] = emulated_mma_element<kHalf>((unsigned)low, e);
+      row[1][k] = emulated_mma_element<kHalf>((unsigned)(low >> 32), e);
+      row[0][k + 8] = emulated_mma_element<kHalf>((unsigned)high, e);
+      row[1][k + 8] = emulated_mma_element<kHalf>((unsigned)(high >> 32), e);
+      col[0][k] = emulated_mma_element<kHalf>((unsigned)b0, e);
+      col[0][k + 8] = emulated_mma_element<kHalf>((unsigned)(b0 >> 32), e);
+      col[1][k] = emulated_mma_element<kHalf>((unsigned)b1, e);
+      col[1][k + 8] = emulated_mma_element<kHalf>((unsigned)(b1 >> 32), e);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    float sum = c[i];
+    for (int k = 0; k < 16; ++k) sum += row[i >> 1][k] * col[i & 1][k];
+    d[i] = sum;
+  }
+}
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                  const float (&c)[4]) {
+  emulated_mma_m16n8k16<false>(d, a, b, c);
+}
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                 const float (&c)[4]) {
+  emulated_mma_m16n8k16<true>(d, a, b, c);
+}
+#endif

@@ -219,6 +219,8 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
         scales = torch.randint(118, 124, (experts, rows, cols // 32), generator=generator, dtype=torch.uint8)
         return codes.to(device), scales.to(device)
     quantized_up, quantized_down = mxfp4_stack(model_dim, model_dim), mxfp4_stack(model_dim, model_dim // 2)
+    # quantized_grouped_linear over the grouped rows: each expert's MXFP4 [model_dim, model_dim] matrix
+    quantized_square = mxfp4_stack(model_dim, model_dim)
     return {
         "route_topk": lambda ops: ops.route_topk(scores, k, False),
         "assign_locations": lambda ops: ops.assign_locations(indices, experts, None),
@@ -243,6 +245,8 @@ def _timing_problem(device: torch.device, dtype: torch.dtype, tokens: int, model
         "decode_quantized_experts": lambda ops: ops.decode_quantized_experts(
             x[:decoded], expert_ids[:decoded], decode_weights, "mxfp4", *quantized_up, None, *quantized_down, None, [],
             None, None, "gated", *swiglu, False),
+        "quantized_grouped_linear": lambda ops: ops.quantized_grouped_linear(
+            grouped, ends, "mxfp4", *quantized_square, None, [], None),
     }
 
 

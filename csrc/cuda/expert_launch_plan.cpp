@@ -85,5 +85,10 @@ DecodePlan plan_quantized_decode(int64_t tokens, int64_t k, int64_t hidden, int6
   return plan;
 }
 
+Grid plan_quantized_grouped_linear(int64_t rows, int64_t experts, int64_t outputs) {
+  if (rows == 0 || outputs == 0) return Grid{0, 0};
+  return Grid{rows / TUTEL_QUANT_TILE_ROWS + experts + 1, blocks_for(outputs, TUTEL_QUANT_TILE_COLS)};
+}
+
 }  // namespace cuda
 }  // namespace tutel

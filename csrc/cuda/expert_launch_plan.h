@@ -1,5 +1,5 @@
 // How the CUDA operators of the expert products launch their kernels (grouped_rows_gemm.cu,
-// decode_experts.cu, quantized_decode.cu): grids, kernel choices and scratch sizes for given problem sizes.  Plain
+// decode_experts.cu, quantized_decode.cu, quantized_grouped_linear.cu): grids, kernel choices and scratch sizes for given problem sizes.  Plain
 // C++ with no CUDA or framework dependency, shared by the operators (csrc/ops/cuda) and the CPU
 // execution of the kernels (tests/cpp/kernels_on_cpu), as launch_plan.h is for the others.
 #pragma once
@@ -62,6 +62,14 @@ DecodePlan plan_decode_experts(int64_t tokens, int64_t k, int64_t hidden, int64_
 DecodePlan plan_quantized_decode(int64_t tokens, int64_t k, int64_t hidden, int64_t inter, int64_t out_features,
                                  int format, int64_t block_cols, int64_t element_size, const void* x,
                                  int64_t x_stride, const void* gate_up_codes, const void* down_codes);
+
+// ------------------------------------------ quantized_grouped_linear.cu --
+// quantized_grouped_linear_<format> for a [rows, outputs] result over `experts` groups: one block
+// per tile of up to TUTEL_QUANT_TILE_ROWS rows of one group (rows / TILE + experts + 1 of them
+// bound every grouping, the rows past the last end included) and of TUTEL_QUANT_TILE_COLS
+// outputs.  Sized from the shapes alone (the ends stay on the device).  Empty when rows or
+// outputs is 0.
+Grid plan_quantized_grouped_linear(int64_t rows, int64_t experts, int64_t outputs);
 
 }  // namespace cuda
 }  // namespace tutel

@@ -214,6 +214,23 @@ struct quantized_gate_up_nvfp4_vector {
   using params = KernelParams<AnyPointer, int64_t, TutelDecodeRouting, TutelQuantMatrix, AnyPointer, int64_t, TutelDecodeUnit, int, AnyPointer, AnyPointer, int64_t, AnyPointer, int64_t>;
 };
 
+// kernels/quantized_grouped_linear.cu
+struct quantized_grouped_linear_fp8_block {
+  static constexpr const char* file = "quantized_grouped_linear.cu";
+  static constexpr const char* function = "quantized_grouped_linear_fp8_block";
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+};
+struct quantized_grouped_linear_mxfp4 {
+  static constexpr const char* file = "quantized_grouped_linear.cu";
+  static constexpr const char* function = "quantized_grouped_linear_mxfp4";
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+};
+struct quantized_grouped_linear_nvfp4 {
+  static constexpr const char* file = "quantized_grouped_linear.cu";
+  static constexpr const char* function = "quantized_grouped_linear_nvfp4";
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+};
+
 // kernels/route_experts.cu
 struct route_experts_backward {
   static constexpr const char* file = "route_experts.cu";

@@ -8,14 +8,18 @@ namespace {
 
 constexpr const char* kOp = "quantized_grouped_linear";
 
-// The ends [E] (int32 / int64) as offsets 0, end_0, .., end_{E-1}: non-decreasing, within [0, n].
-std::vector<int64_t> checked_offsets_of(const at::Tensor& ends, int64_t experts, int64_t n, const at::Tensor& rows) {
+// The ends' dtype (int32 / int64), shape [E] and device, without reading them.
+void check_ends_shape(const at::Tensor& ends, int64_t experts, const at::Tensor& rows) {
   check_dim(ends, 1, kOp, "ends");
   TORCH_CHECK_TYPE(ends.scalar_type() == at::kInt || ends.scalar_type() == at::kLong, "tutel::", kOp,
                    ": `ends` must be int32 or int64, got ", ends.scalar_type());
   check_same_device(rows, ends, kOp, "ends");
   TORCH_CHECK_VALUE(ends.size(0) == experts, "tutel::", kOp, ": `ends` must hold one end per expert, [", experts,
                     "], got ", ends.sizes());
+}
+
+// The ends [E] as offsets 0, end_0, .., end_{E-1}: non-decreasing, within [0, n].
+std::vector<int64_t> checked_offsets_of(const at::Tensor& ends, int64_t experts, int64_t n) {
   const at::Tensor values = ends.to(at::kLong).contiguous();
   const int64_t* end = values.data_ptr<int64_t>();
   std::vector<int64_t> offsets(size_t(experts) + 1, 0);
@@ -34,7 +38,8 @@ QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows,
                                                          const std::string& format, const at::Tensor& codes,
                                                          const at::Tensor& scales,
                                                          const c10::optional<at::Tensor>& global_scale,
-                                                         at::IntArrayRef block, const c10::optional<at::Tensor>& bias) {
+                                                         at::IntArrayRef block, const c10::optional<at::Tensor>& bias,
+                                                         bool read_ends) {
   QuantizedGroupedLinearArgs a;
   a.format = quant_format_of(format, kOp);
   check_dim(rows, 2, kOp, "rows");
@@ -50,7 +55,8 @@ QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows,
   TORCH_CHECK_VALUE(a.stack.cols == rows.size(1) && a.stack.cols >= 1, "tutel::", kOp, ": `codes` ", codes.sizes(),
                     " holds rows of ", a.stack.cols, " elements but `rows` has ", rows.size(1),
                     " features; they must agree and be at least 1");
-  a.offsets = checked_offsets_of(ends, a.experts, rows.size(0), rows);
+  check_ends_shape(ends, a.experts, rows);
+  if (read_ends) a.offsets = checked_offsets_of(ends, a.experts, rows.size(0));
   if (bias.has_value()) {
     check_floating(*bias, kOp, "bias");
     TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == a.experts && bias->size(1) == a.stack.rows, "tutel::", kOp,

@@ -1,6 +1,7 @@
 // Argument checks of tutel::quantized_grouped_linear (schemas.cpp): the rows, the group ends, the
 // quantized stack (quantized_stack_args.h) and the bias, naming the operator and the argument.
-// The checked tensors come back in the layouts the kernels read (gemm/quantized_products.h).
+// The checked tensors come back in the layouts the kernels read (gemm/quantized_products.h,
+// kernels/quantized_grouped_linear.cu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,18 +17,22 @@ namespace ops {
 struct QuantizedGroupedLinearArgs {
   core::QuantFormat format = core::QuantFormat::kMxfp4;
   at::Tensor rows;               // [n, K], unit stride along K
-  std::vector<int64_t> offsets;  // [E + 1]: 0, then the ends
+  std::vector<int64_t> offsets;  // [E + 1]: 0, then the ends (read_ends only, else empty)
   QuantizedStackArgs stack;      // [E, N, K]
   at::Tensor bias;               // float32 [E, N] contiguous, or undefined
   int64_t experts = 0;
   int64_t block_rows = 1, block_cols = 1;  // fp8_block's scale block
 };
 
+// With read_ends (the CPU), the ends' values are read and checked (non-decreasing within [0, n]);
+// without (CUDA, where that would synchronise with the host), only their dtype, shape and device,
+// and the kernel reads them as their clamped running maximum.
 QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows, const at::Tensor& ends,
                                                          const std::string& format, const at::Tensor& codes,
                                                          const at::Tensor& scales,
                                                          const c10::optional<at::Tensor>& global_scale,
-                                                         at::IntArrayRef block, const c10::optional<at::Tensor>& bias);
+                                                         at::IntArrayRef block, const c10::optional<at::Tensor>& bias,
+                                                         bool read_ends = true);
 
 }  // namespace ops
 }  // namespace tutel

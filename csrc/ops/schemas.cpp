@@ -112,8 +112,10 @@ TORCH_LIBRARY(tutel, m) {
   // <= n; rows past it give zeros), W [E, N, K] in `format` as decode_quantized_experts' stacks
   // (codes, scales, global_scale for nvfp4 only, block for fp8_block only).  rows float32 /
   // bfloat16 / float16 [n, K]; bias [E, N] any floating dtype, taken as float32; returns [n, N] in
-  // rows' dtype.  Sums in float32; W decoded a strip at a time, never whole (bfloat16 rows on AMX:
-  // rounded to bfloat16).  CPU only.
+  // rows' dtype.  Sums in float32; W decoded a strip (CPU) or a tile (CUDA) at a time, never whole
+  // (bfloat16 rows on AMX: rounded to bfloat16).  CUDA: one launch (kernels/quantized_grouped_linear.cu)
+  // on the tensor cores, no host synchronisation: the ends are read on the device (their clamped
+  // running maximum, unchecked), int64 ends converted to int32 first (one more launch).
   m.def(
       "quantized_grouped_linear(Tensor rows, Tensor ends, str format, Tensor codes, Tensor scales, "
       "Tensor? global_scale, int[] block, Tensor? bias) -> Tensor");

@@ -16,7 +16,7 @@ from tutel.ops.self_check import OPERATORS, compare_operators
 native = torch.ops.tutel
 CPU = torch.device("cpu")
 ROUNDED_SUMS = ("expert_row_sums", "grouped_rows_linear", "grouped_rows_linear_backward", "decode_experts",
-                "decode_quantized_experts")
+                "decode_quantized_experts", "quantized_grouped_linear")
 
 
 @pytest.fixture(autouse=True)

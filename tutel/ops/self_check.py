@@ -6,7 +6,8 @@ tutel.check``.  The implementations are parameters (objects with the operators
 as attributes, like ``torch.ops.tutel``), so the comparison itself is tested on
 the CPU.  Moves, counts, slots and route_experts' choices and plan must agree
 exactly; the dot products of the gate gradient, route_experts' weights and loss,
-decode_experts' and decode_quantized_experts' sums and the other reductions summed
+decode_experts', decode_quantized_experts' and quantized_grouped_linear's sums and the other
+reductions summed
 in another order, to their dtype's rounding.
 """
 import contextlib
@@ -20,7 +21,7 @@ from ..rules.lines import DECODE_MAX_CHOICES, DECODE_MAX_TOKENS  # the decode ke
 OPERATORS = ("route_topk", "assign_locations", "cumsum_sub_one", "gather_slots", "scatter_slots", "group_by_expert",
              "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward", "add_expert_bias_",
              "expert_row_sums", "choice_rows", "grouped_rows_linear", "grouped_rows_linear_backward", "route_experts",
-             "decode_experts", "decode_quantized_experts")
+             "decode_experts", "decode_quantized_experts", "quantized_grouped_linear")
 DATA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Outputs compared to rounding rather than exactly: (operator, output number).
@@ -56,6 +57,9 @@ _DECODE_EXPERTS = "decode_experts"
 # decode_quantized_experts' [T, O] result: float32 sums of a few hundred products of size ~1 with
 # exactly decoded weights, then one rounding to the data dtype, as decode_experts' in float32.
 _DECODE_QUANTIZED = "decode_quantized_experts"
+# quantized_grouped_linear's [n, N] result: the same float32 sums over rows grouped by expert (a few
+# hundred products of size ~1 each), to the same tolerances.
+_QUANTIZED_LINEAR = "quantized_grouped_linear"
 _DECODE_TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4),
                       torch.bfloat16: dict(rtol=4e-2, atol=4e-2), torch.float16: dict(rtol=6e-3, atol=6e-3)}
 # Operators that write their result into an argument (its number) and return nothing.
@@ -117,6 +121,7 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
     g = torch.Generator().manual_seed(seed)
     rows_generator = torch.Generator().manual_seed(seed + 1)  # the grouped rows' cases draw from their own
     routing_generator = torch.Generator().manual_seed(seed + 2)  # and so do route_experts' and decode_experts'
+    quantized_generator = torch.Generator().manual_seed(seed + 3)  # and quantized_grouped_linear's
 
     def randn(*shape, dtype):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -156,6 +161,7 @@ def _cases(sizes: Sequence[Sizes], seed: int) -> Iterator[Case]:
         yield from _route_experts_cases(s, tag, routing_generator)
         yield from _decode_experts_cases(s, routing_generator)
         yield from _decode_quantized_cases(s, routing_generator)
+        yield from _quantized_linear_cases(s, quantized_generator)
         yield Case("assign_locations", f"{tag} token order",
                    (torch.randint(0, s.experts, (s.k, s.tokens), generator=g, dtype=torch.int32), s.experts, None))
         for mask_dtype in (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64):
@@ -421,6 +427,33 @@ def _decode_quantized_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
                         block, gate_up_bias, down_bias, activation, alpha, up_offset, limit, interleaved))
 
 
+def _quantized_linear_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
+    """quantized_grouped_linear over the routed rows grouped by expert (T k rows, random ends with
+    idle experts and rows past the last expert's) in every rows dtype, the three formats in turn:
+    rows of whole and partial depth tiles, fp8_block with partial 128 x 128 blocks (K not a
+    multiple of 16) and with blocks 24 wide (steps split at block boundaries); int32 and int64
+    ends, a float32 bias or none; N = model_dim + 3 (odd where model_dim is even)."""
+    rows = s.tokens * s.k
+    outputs = s.model_dim + 3
+    for number, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        for form in range(2):
+            format = ("mxfp4", "nvfp4", "fp8_block")[(number + form + s.model_dim) % 3]
+            if format == "fp8_block":
+                block = [128, 128] if form == 0 else [16, 24]
+                depth = 200 if form == 0 else 72
+            else:
+                block = []
+                depth = (32 if format == "mxfp4" else 16) * (2 + form + s.model_dim % 3)
+            codes, scales, global_scale = _quantized_stack(format, s.experts, outputs, depth, block, g)
+            ends = _grouped_ends(rows, s.experts, g).to(torch.int64 if form else torch.int32)
+            bias = torch.randn(s.experts, outputs, generator=g) * 0.5 if form == 0 else None
+            x = torch.randn(rows, depth, generator=g).to(dtype)
+            yield Case(_QUANTIZED_LINEAR, f"{str(dtype).replace('torch.', '')} {format} rows={rows} "
+                                          f"experts={s.experts} K={depth} N={outputs} block={block} "
+                                          f"ends={str(ends.dtype).replace('torch.', '')}",
+                       (x, ends, format, codes, scales, global_scale, block, bias))
+
+
 def _to(value, device: torch.device, keep_layout: bool = False):
     if not isinstance(value, torch.Tensor):
         return value
@@ -445,7 +478,8 @@ def _compare(operator: str, number: int, expected: torch.Tensor, got: torch.Tens
         return f"output {number}: {got.dtype} {tuple(got.shape)} instead of {expected.dtype} {tuple(expected.shape)}"
     if operator in _UNITS:
         return _compare_unit_values(number, expected, got)
-    if (operator == _ROUTE_EXPERTS and number in _ROUTING_FLOATS) or operator in (_DECODE_EXPERTS, _DECODE_QUANTIZED):
+    decoded = operator in (_DECODE_EXPERTS, _DECODE_QUANTIZED, _QUANTIZED_LINEAR)
+    if (operator == _ROUTE_EXPERTS and number in _ROUTING_FLOATS) or decoded:
         tolerances = _ROUTING_TOLERANCES if operator == _ROUTE_EXPERTS else _DECODE_TOLERANCES
         close = torch.isclose(got, expected, equal_nan=True, **tolerances[expected.dtype])
         if bool(close.all()):

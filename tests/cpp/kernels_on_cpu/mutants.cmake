@@ -85,10 +85,36 @@ tutel_kernel_mutant(quantized_decode nibbles_swapped TUTEL_DTYPE_FLOAT32
   "w[2 * q] = e2m1_value(byte >> 4) * s;\n        w[2 * q + 1] = e2m1_value(byte & 15u) * s;")
 tutel_kernel_mutant(quantized_decode e8m0_bias_128 TUTEL_DTYPE_BFLOAT16
   "return s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);"
-  "return 0.5f * (s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));")
+  "return 0.5f * (s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));" quant_codes.cuh)
 tutel_kernel_mutant(quantized_decode fp8_block_index_off_by_one TUTEL_DTYPE_FLOAT16
   "const float scale = floats[k0 / block_cols];"
   "const float scale = floats[(k0 + 1) / block_cols];")
 tutel_kernel_mutant(quantized_decode nvfp4_without_global_scale TUTEL_DTYPE_FLOAT32
   "const float global = down_matrix.global ? down_matrix.global[e] : 1.0f;"
   "const float global = 1.0f;")
+
+# quantized_grouped_linear.cu: the E2M1 codes of a byte staged in the wrong order, E8M0 scales read
+# with bias 128 (quant_codes.cuh, which the quantized kernels share), fp8_block's scale blocks
+# along K found one element off where a step is split at block boundaries (blocks 7 and 24 wide)
+# and one step off where it is not (the staged scales: 128-wide blocks, K = 200), nvfp4's
+# per-matrix scale left out, and the tensor-core fragment of A with its registers a1 and a2
+# swapped (rows g + 8 and columns 2t + 8 exchanged: the emulated m16n8k16 follows the PTX ISA's
+# layout, so the products come out wrong).
+tutel_kernel_mutant(quantized_grouped_linear nibbles_swapped TUTEL_DTYPE_BFLOAT16
+  "pair_word(code_bits(e2m1_value(byte & 15u)), code_bits(e2m1_value(byte >> 4)));"
+  "pair_word(code_bits(e2m1_value(byte >> 4)), code_bits(e2m1_value(byte & 15u)));")
+tutel_kernel_mutant(quantized_grouped_linear e8m0_bias_128 TUTEL_DTYPE_FLOAT16
+  "return s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);"
+  "return 0.5f * (s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));" quant_codes.cuh)
+tutel_kernel_mutant(quantized_grouped_linear fp8_block_index_off_by_one TUTEL_DTYPE_FLOAT32
+  "if (kk / w.block_cols != block) b[h] &= 0xffff0000u;"
+  "if ((kk + 1) / w.block_cols != block) b[h] &= 0xffff0000u;")
+tutel_kernel_mutant(quantized_grouped_linear fp8_block_scale_of_next_step TUTEL_DTYPE_BFLOAT16
+  "* per_row + k / w.block_cols];"
+  "* per_row + (k + 16) / w.block_cols];")
+tutel_kernel_mutant(quantized_grouped_linear nvfp4_without_global_scale TUTEL_DTYPE_FLOAT32
+  "if (FORMAT == TUTEL_QUANT_NVFP4) v = v * global;"
+  "")
+tutel_kernel_mutant(quantized_grouped_linear mma_fragment_a1_a2_swapped TUTEL_DTYPE_FLOAT16
+  "a[p][1] = a_tile[p][row0 + g + 8][8 * s + t];\n          a[p][2] = a_tile[p][row0 + g][8 * s + t + 4];"
+  "a[p][2] = a_tile[p][row0 + g + 8][8 * s + t];\n          a[p][1] = a_tile[p][row0 + g][8 * s + t + 4];")

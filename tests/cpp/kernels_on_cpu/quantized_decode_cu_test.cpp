@@ -26,6 +26,7 @@
 #endif
 #include TUTEL_KERNEL_SOURCE
 #include "exact_sums.h"
+#include "quant_reference.h"
 
 namespace {
 
@@ -62,79 +63,9 @@ int activation_of(Unit u) {
   }
 }
 
-// ---------------------------------------------------------- the formats --
-// The values of the codes, from the specifications (OCP MX v1.0, OCP 8-bit floating point).
-long double e2m1(unsigned code) {
-  const long double magnitudes[8] = {0, 0.5L, 1, 1.5L, 2, 3, 4, 6};
-  return (code & 8u) ? -magnitudes[code & 7u] : magnitudes[code & 7u];
-}
-long double e8m0(unsigned s) { return std::ldexp(1.0L, int(s) - 127); }
-long double e4m3(unsigned b) {
-  const int exponent = (b >> 3) & 15, mantissa = b & 7;
-  const long double magnitude = exponent == 0 ? std::ldexp((long double)mantissa, -9)
-                                              : std::ldexp(8.0L + mantissa, exponent - 10);
-  return (b & 0x80u) ? -magnitude : magnitude;
-}
-
-// One stack [E, rows, cols] in the case's format, with its value at (e, n, c).
-struct Stack {
-  int format = 0;
-  int64_t experts = 0, rows = 0, cols = 0, block_rows = 1, block_cols = 1;
-  std::vector<uint8_t> codes, byte_scales;
-  std::vector<float> float_scales, global;
-
-  int64_t code_bytes() const { return format == TUTEL_QUANT_FP8_BLOCK ? cols : cols / 2; }
-  long double value(int64_t e, int64_t n, int64_t c) const {
-    if (format == TUTEL_QUANT_FP8_BLOCK) {
-      const int64_t block_row_count = (rows + block_rows - 1) / block_rows;
-      const int64_t per_row = (cols + block_cols - 1) / block_cols;
-      const long double scale = float_scales[(e * block_row_count + n / block_rows) * per_row + c / block_cols];
-      return e4m3(codes[(e * rows + n) * cols + c]) * scale;
-    }
-    const uint8_t byte = codes[(e * rows + n) * (cols / 2) + c / 2];
-    const unsigned code = (c % 2 == 0) ? (byte & 15u) : (byte >> 4);  // the even element: the low nibble
-    if (format == TUTEL_QUANT_MXFP4) return e2m1(code) * e8m0(byte_scales[(e * rows + n) * (cols / 32) + c / 32]);
-    return e2m1(code) * e4m3(byte_scales[(e * rows + n) * (cols / 16) + c / 16]) * (long double)global[e];
-  }
-};
-
-// Random codes and scales whose products with unit-sized activations stay near 1.
+// The case's stack of rows x cols (quant_reference.h's random codes and scales).
 Stack make_stack(const Case& c, int64_t rows, int64_t cols, std::mt19937& rng) {
-  Stack s;
-  s.format = c.format;
-  s.experts = c.experts;
-  s.rows = rows;
-  s.cols = cols;
-  s.block_rows = c.block_rows;
-  s.block_cols = c.block_cols;
-  std::uniform_int_distribution<int> byte(0, 255);
-  const int64_t n = c.experts * rows * s.code_bytes();
-  s.codes.resize(size_t(n));
-  // Shifts of the scales that keep a row's dot product with unit activations near 1.
-  const int shift = int(std::lround(std::log2(std::sqrt(double(cols)))));
-  if (c.format == TUTEL_QUANT_FP8_BLOCK) {
-    // E4M3 values up to 2^2 (exponent fields 0 to 8: subnormals included), either sign.
-    std::uniform_int_distribution<int> exponent(0, 8), mantissa(0, 7), sign(0, 1);
-    for (auto& b : s.codes) b = uint8_t((sign(rng) << 7) | (exponent(rng) << 3) | mantissa(rng));
-    const int64_t blocks = c.experts * ((rows + c.block_rows - 1) / c.block_rows) * ((cols + c.block_cols - 1) / c.block_cols);
-    std::uniform_real_distribution<float> scale(0.5f, 2.0f);
-    for (int64_t q = 0; q < blocks; ++q) s.float_scales.push_back(std::ldexp(scale(rng), -shift));
-  } else {
-    for (auto& b : s.codes) b = uint8_t(byte(rng));  // every nibble, both signs
-    if (c.format == TUTEL_QUANT_MXFP4) {
-      std::uniform_int_distribution<int> exponent(124 - shift, 127 - shift);
-      s.byte_scales.resize(size_t(c.experts * rows * (cols / 32)));
-      for (auto& b : s.byte_scales) b = uint8_t(exponent(rng));
-    } else {
-      // E4M3 scales 0.25 to 3.75 (exponent fields 5 to 8), a global scale 2^-shift / 4 or so.
-      std::uniform_int_distribution<int> exponent(5, 8), mantissa(0, 7);
-      s.byte_scales.resize(size_t(c.experts * rows * (cols / 16)));
-      for (auto& b : s.byte_scales) b = uint8_t((exponent(rng) << 3) | mantissa(rng));
-      std::uniform_real_distribution<float> global(0.15f, 0.35f);
-      for (int64_t e = 0; e < c.experts; ++e) s.global.push_back(std::ldexp(global(rng), -shift));
-    }
-  }
-  return s;
+  return random_stack(c.format, c.experts, rows, cols, c.block_rows, c.block_cols, rng);
 }
 
 struct Problem {

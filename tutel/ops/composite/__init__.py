@@ -17,8 +17,8 @@ indices and locations at once, which synchronises with the host; so do the
 data-dependent sizes of ``scatter_slots``.  They therefore cannot be captured
 in a CUDA graph.  The experts' operators (experts.py, expert_rows.py) read no
 value back and can, except ``grouped_rows_linear`` and its backward (grouped_rows.py) and
-``decode_experts`` (decode_experts.py) and ``decode_quantized_experts`` (decode_quantized_experts.py), one
-matrix product per expert.  ``route_experts``
+``decode_experts`` (decode_experts.py), ``decode_quantized_experts`` (decode_quantized_experts.py) and
+``quantized_grouped_linear`` (quantized_grouped_linear.py), one matrix product per expert.  ``route_experts``
 (route_experts.py) reads nothing back either; its weights and loss are differentiable through
 autograd.
 """
@@ -29,6 +29,7 @@ from .experts import (gated_unit, gated_unit_backward, gated_unit_pair, gated_un
                       group_by_expert)
 from .expert_rows import add_expert_bias_, choice_rows, expert_row_sums
 from .grouped_rows import grouped_rows_linear, grouped_rows_linear_backward
+from .quantized_grouped_linear import quantized_grouped_linear
 from .route_experts import route_experts
 from .routing import assign_locations, route_topk
 from .slots import gather_slots, scatter_slots
@@ -36,5 +37,6 @@ from .slots import gather_slots, scatter_slots
 __all__ = ["add_expert_bias_", "assign_locations", "choice_rows", "cumsum_sub_one", "decode_experts",
            "decode_quantized_experts",
            "expert_row_sums", "gated_unit", "gated_unit_backward", "gated_unit_pair", "gated_unit_pair_backward",
-           "gather_slots", "group_by_expert", "grouped_rows_linear", "grouped_rows_linear_backward", "route_experts",
+           "gather_slots", "group_by_expert", "grouped_rows_linear", "grouped_rows_linear_backward",
+           "quantized_grouped_linear", "route_experts",
            "route_topk", "scatter_slots"]
