@@ -4,7 +4,8 @@
 // csrc/ops/cuda/decode_quantized_experts_cuda.cpp), in two launches:
 //
 //   quantized_gate_up_*:  h[p] = unit(x[t] @ Wgu[e]^T + bgu[e]) for every choice p = t k + j
-//                         routed to expert e = expert_ids[t, j] ([P, I] float32)
+//                         routed to expert e = expert_ids[t, j] ([P, I] float32, each value
+//                         rounded to the storage type)
 //   quantized_down_*:     y[p] = h[p] @ Wd[e]^T + bd[e] ([P, O] float32), and out[t] =
 //                         sum_j w[t, j] y[t k + j] over the token's kept choices, in choice
 //                         order, written once per token
@@ -218,7 +219,8 @@ __device__ __forceinline__ void gate_up(const storage_t* x, i64 x_stride, const 
         gs = gs + bias[e * gate_up_matrix.rows + gate_index];
         us = us + bias[e * gate_up_matrix.rows + up_index];
       }
-      if (lane == 0) h[members[m] * inter + i] = unit_value(gs, us, unit, activation);
+      // rounded to the storage type, as the model's experts keep h (and the CPU operator does)
+      if (lane == 0) h[members[m] * inter + i] = to_acc(from_acc(unit_value(gs, us, unit, activation)));
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -116,10 +117,23 @@ ChoicePlan plan_choices(const int64_t* ids, const float* weights, int64_t tokens
 }
 
 // The vectors one pass multiplies the rows with, one per kept choice, and the kernels that take
-// them: float32 rows as they are, or in the split layout (kQuantSplitRound).
+// them: float32 rows as they are or in the split layout (kQuantSplitRound), or bfloat16 rows in the
+// bfloat16 layout (kQuantBf16Round).
 struct PassVectors {
   std::vector<const float*> rows;
   QuantRowDots dots = nullptr;
+  std::vector<const uint16_t*> bf16_rows;
+  QuantRowDotsBf16 bf16_dots = nullptr;
+
+  // The dot products of `row_count` rows with the vectors of choices first .. first + count - 1.
+  void operator()(const QuantizedMatrix& m, int64_t expert, const int64_t* picked, int row_count, int64_t first,
+                  int count, float* out) const {
+    if (bf16_dots != nullptr) {
+      bf16_dots(m, expert, picked, row_count, bf16_rows.data() + first, count, out);
+    } else {
+      dots(m, expert, picked, row_count, rows.data() + first, count, out);
+    }
+  }
 };
 
 bool takes_split(const QuantKernels& kernels, const QuantizedMatrix& m) {
@@ -127,6 +141,35 @@ bool takes_split(const QuantKernels& kernels, const QuantizedMatrix& m) {
 }
 
 int64_t split_padded(int64_t n) { return (n + kQuantSplitRound - 1) / kQuantSplitRound * kQuantSplitRound; }
+
+// The bfloat16 kernels, for vectors that are exactly bfloat16.
+bool takes_bf16(const QuantKernels& kernels, const QuantizedMatrix& m) {
+  return kernels.bf16_dots != nullptr && bf16_takes(m);
+}
+
+int64_t bf16_padded(int64_t n) { return (n + kQuantBf16Round - 1) / kQuantBf16Round * kQuantBf16Round; }
+
+// `count` rows of `n` values, `stride` apart, each exactly a bfloat16 (bfloat16 tokens, or float32
+// values rounded to bfloat16), as rows of bfloat16 bits in m's bfloat16 layout (kQuantBf16Round)
+// bf16_padded(n) apart, zeros past n.
+template <class V>
+std::vector<uint16_t> bf16_layout_rows(const QuantizedMatrix& m, const V* x, int64_t count, int64_t n,
+                                       int64_t stride) {
+  const bool split = m.format != QuantFormat::kFp8Block;
+  const int64_t width = bf16_padded(n), half = kQuantBf16Round / 2;
+  std::vector<uint16_t> out(size_t(count * width), 0);
+  parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      uint16_t* row = out.data() + c * width;
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t round = k / kQuantBf16Round * kQuantBf16Round, j = k - round;
+        const int64_t at = split ? round + (j & 1) * half + j / 2 : k;
+        row[at] = Scalar<bfloat16>::store(Scalar<V>::load(x[c * stride + k])).bits;
+      }
+    }
+  });
+  return out;
+}
 
 // x[0 .. n) into `split` (split_padded(n) floats) in the split layout, zeros past n.
 void split_row(const float* x, int64_t n, float* split) {
@@ -148,6 +191,13 @@ std::vector<float> split_rows(const float* x, int64_t count, int64_t n, int64_t 
     for (int64_t c = begin; c < end; ++c) split_row(x + c * stride, n, split.data() + c * width);
   });
   return split;
+}
+
+// v rounded to T and back: the unit's values take the tokens' dtype, as the model's experts (and
+// quantized_grouped_linear's products at prefill sizes) keep them between the products.
+template <class T>
+float in_storage_type(float v) {
+  return Scalar<T>::load(Scalar<T>::store(v));
 }
 
 // Hidden units per item of the gate/up pass and output rows per item of the down pass: enough
@@ -191,17 +241,17 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernel
           rows[1] = i + 1;
           row_count = i + 1 < unit_end ? 2 : 1;
         }
-        token_rows.dots(call.gate_up, expert, rows, row_count, token_rows.rows.data() + first, count, dots.data());
+        token_rows(call.gate_up, expert, rows, row_count, first, count, dots.data());
         for (int v = 0; v < count; ++v) {
           float* h_row = h + (first + v) * h_stride;
           if (gated) {
             const float g = dots[size_t(v)] + (bias ? bias[rows[0]] : 0.0f);
             const float u = dots[size_t(count + v)] + (bias ? bias[rows[1]] : 0.0f);
-            h_row[i] = expert_unit_value(call.unit, g, u);
+            h_row[i] = in_storage_type<T>(expert_unit_value(call.unit, g, u));
           } else {
             for (int r = 0; r < row_count; ++r) {
               const float u = dots[size_t(r * count + v)] + (bias ? bias[rows[r]] : 0.0f);
-              h_row[rows[r]] = expert_unit_value(call.unit, 0.0f, u);
+              h_row[rows[r]] = in_storage_type<T>(expert_unit_value(call.unit, 0.0f, u));
             }
           }
         }
@@ -228,7 +278,7 @@ void down_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, 
         for (int64_t n = n_begin; n < n_end; n += 2) {
           const int64_t rows[2] = {n, n + 1};
           const int row_count = n + 1 < n_end ? 2 : 1;
-          h_rows.dots(call.down, expert, rows, row_count, h_rows.rows.data() + first, count, dots.data());
+          h_rows(call.down, expert, rows, row_count, first, count, dots.data());
           for (int r = 0; r < row_count; ++r) {
             const float b = bias ? bias[rows[r]] : 0.0f;
             for (int v = 0; v < count; ++v) {
@@ -276,9 +326,10 @@ const QuantKernels& portable_quant_kernels() {
 }
 
 const QuantKernels& best_quant_kernels() {
-  static const QuantKernels& best = avx512_quant_kernels() ? *avx512_quant_kernels()
-                                    : avx2_quant_kernels()   ? *avx2_quant_kernels()
-                                                             : portable_quant_kernels();
+  static const QuantKernels& best = avx512_bf16_quant_kernels() ? *avx512_bf16_quant_kernels()
+                                    : avx512_quant_kernels()    ? *avx512_quant_kernels()
+                                    : avx2_quant_kernels()      ? *avx2_quant_kernels()
+                                                                : portable_quant_kernels();
   return best;
 }
 
@@ -301,7 +352,14 @@ void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKer
   h_rows.rows.resize(kept);
   std::vector<float> h(kept * size_t(h_stride), 0.0f);
   std::vector<float> x_split, h_split;
-  if (takes_split(kernels, call.gate_up)) {
+  std::vector<uint16_t> x_bf16, h_bf16;
+  const bool bf16_tokens = std::is_same<T, bfloat16>::value;
+  if (bf16_tokens && takes_bf16(kernels, call.gate_up)) {
+    x_bf16 = bf16_layout_rows(call.gate_up, call.x, tokens, hidden, call.x_stride);
+    token_rows.bf16_rows.resize(kept);
+    for (size_t c = 0; c < kept; ++c) token_rows.bf16_rows[c] = x_bf16.data() + plan.token[c] * bf16_padded(hidden);
+    token_rows.bf16_dots = kernels.bf16_dots;
+  } else if (takes_split(kernels, call.gate_up)) {
     x_split = split_rows(x.data(), tokens, hidden, x_stride);
     for (size_t c = 0; c < kept; ++c) token_rows.rows[c] = x_split.data() + plan.token[c] * split_padded(hidden);
     token_rows.dots = kernels.split_dots;
@@ -313,7 +371,12 @@ void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKer
   prefetched.gate_up.prefetch_bytes = prefetch_rows_ahead(call.gate_up, kPrefetchRows);
   prefetched.down.prefetch_bytes = prefetch_rows_ahead(call.down, kPrefetchRows);
   gate_up_pass(prefetched, kernels, plan, token_rows, h.data(), h_stride);
-  if (takes_split(kernels, call.down)) {
+  if (bf16_tokens && takes_bf16(kernels, call.down)) {  // h is bfloat16 too
+    h_bf16 = bf16_layout_rows(call.down, h.data(), int64_t(kept), call.inter, h_stride);
+    h_rows.bf16_rows.resize(kept);
+    for (size_t c = 0; c < kept; ++c) h_rows.bf16_rows[c] = h_bf16.data() + int64_t(c) * bf16_padded(call.inter);
+    h_rows.bf16_dots = kernels.bf16_dots;
+  } else if (takes_split(kernels, call.down)) {
     h_split = split_rows(h.data(), int64_t(kept), call.inter, h_stride);
     for (size_t c = 0; c < kept; ++c) h_rows.rows[c] = h_split.data() + int64_t(c) * split_padded(call.inter);
     h_rows.dots = kernels.split_dots;

@@ -16,7 +16,8 @@
 // Each weight byte of an active expert is read once per call however many tokens chose it (for
 // up to four tokens of an expert, eight with AVX-512, the codes are decoded once; more tokens
 // decode them again per four or eight, from the cache).  Sums are float32 throughout, the unit is
-// evaluated in float32, and h is not rounded to the storage type.  Ids outside [0, E) are dropped
+// evaluated in float32, and h is rounded to the storage type, as the model's experts and the
+// prefill operator (quantized_grouped_linear) keep it between the products.  Ids outside [0, E) are dropped
 // choices.
 #pragma once
 
@@ -87,10 +88,30 @@ using QuantRowDots = void (*)(const QuantizedMatrix& m, int64_t expert, const in
 // and high nibbles decode, and the vectors are padded with zeros to whole rounds.
 constexpr int64_t kQuantSplitRound = 32;
 
+// The bfloat16 layouts that bf16_dots takes, for mxfp4 and for fp8_block with blocks a multiple of
+// 32 wide (bf16_takes): vectors of bfloat16 bits padded with zeros to whole rounds of this many
+// elements; for mxfp4 each round holds its even elements and then its odd ones, so that a byte's
+// two codes, decoded as they lie, pair with the round's halves in a bfloat16 dot-product
+// instruction; for fp8_block the elements are in order.
+constexpr int64_t kQuantBf16Round = 64;
+
+// Whether bf16_dots takes matrices like m (kernels that have one).
+inline bool bf16_takes(const QuantizedMatrix& m) {
+  return m.format == QuantFormat::kMxfp4 || (m.format == QuantFormat::kFp8Block && m.block_cols % 32 == 0);
+}
+
+// The dot products of QuantRowDots with vectors of bfloat16 bits in the bfloat16 layout; the
+// products are exact (E2M1 values times bfloat16 values), the sums float32.
+using QuantRowDotsBf16 = void (*)(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                                  const uint16_t* const* vectors, int count, float* out);
+
 struct QuantKernels {
   QuantRowDots dots;
-  const char* name;  // "portable", "avx2" or "avx512"
+  const char* name;  // "portable", "avx2", "avx512" or "avx512_bf16"
   QuantRowDots split_dots;  // dots with vectors in the split layout, or nullptr where there are none
+  // dots with bfloat16 vectors (kQuantBf16Round) for matrices bf16_takes, or nullptr where there
+  // are none: taken for vectors that are exactly bfloat16 (bfloat16 tokens)
+  QuantRowDotsBf16 bf16_dots = nullptr;
 };
 
 // The portable kernels, always available (plain loops over the byte tables).
@@ -101,6 +122,10 @@ const QuantKernels* avx2_quant_kernels();
 
 // The AVX-512 (F, BW, VL) kernels, or nullptr when this build or this CPU has none.
 const QuantKernels* avx512_quant_kernels();
+
+// The AVX-512 kernels plus bf16_dots on AVX512-BF16's dot products, or nullptr when this build or
+// this CPU has none.
+const QuantKernels* avx512_bf16_quant_kernels();
 
 // The widest kernels this CPU runs.
 const QuantKernels& best_quant_kernels();

@@ -255,6 +255,210 @@ void avx512_split_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* 
   }
 }
 
+// ---- bfloat16 vectors: AVX512-BF16 dot products -----------------------------------------------
+//
+// A round of 64 elements is 32 code bytes, widened to one byte per 16-bit lane.  One permute of
+// the bfloat16 table indexed by the whole byte gives the low nibbles' values (the permute reads
+// index bits 0-4, and the table repeats its 16 values), another after a 4-bit shift the high
+// nibbles'.  vdpbf16ps multiplies them pairwise with the round's even and odd halves: float32 lane j
+// sums elements 4j, 4j + 2 (and 4j + 1, 4j + 3 from the second), so lanes 0-7 cover the round's
+// first 32 elements, the first scale block, and lanes 8-15 the second.  The exact products' sums
+// then take their block's scale in one multiply-add.
+
+#define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+TUTEL_AVX512_BF16 inline __m512i e2m1_bf16_table() {
+  return _mm512_setr_epi32(0x3f000000, 0x3fc03f80, 0x40404000, 0x40c04080, 0xbf008000, 0xbfc0bf80, 0xc040c000,
+                           0xc0c0c080, 0x3f000000, 0x3fc03f80, 0x40404000, 0x40c04080, 0xbf008000, 0xbfc0bf80,
+                           0xc040c000, 0xc0c0c080);
+}
+
+template <int R, int V>
+struct Bf16Sums {
+  __m512 acc[2][R][V];  // two sums per (row, vector): consecutive rounds alternate
+
+  TUTEL_AVX512_BF16 void clear() {
+    for (int a = 0; a < 2; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[a][r][v] = _mm512_setzero_ps();
+  }
+};
+
+// One round (the codes at byte offset `at` of each row, scale blocks b and b + 1) into sums[A].
+// Whole: 64 elements; otherwise the row's last 32 (16 code bytes, one block, whose second half of
+// the lanes then sums zeros times a zero scale).
+template <int R, int V, int A, bool Whole>
+TUTEL_AVX512_BF16 inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R], const uint8_t* const (&scales)[R],
+                                               const float* e8m0, __m512i table, const uint16_t* const* vectors,
+                                               int64_t q, int64_t prefetch, Bf16Sums<R, V>& sums) {
+  __m512i low[R], high[R];
+  __m512 scale[R];
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = codes[r] + q * (kQuantBf16Round / 2);
+    if (A == 0) prefetch_codes(p, prefetch);
+    const __m256i bytes = Whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi8(__mmask32(0xffffu), p);
+    const __m512i wide = _mm512_cvtepu8_epi16(bytes);
+    low[r] = _mm512_permutexvar_epi16(wide, table);
+    high[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+    const __m512 first = _mm512_set1_ps(e8m0[scales[r][2 * q]]);
+    scale[r] = _mm512_mask_mov_ps(first, __mmask16(0xff00),
+                                  Whole ? _mm512_set1_ps(e8m0[scales[r][2 * q + 1]]) : _mm512_setzero_ps());
+  }
+  for (int v = 0; v < V; ++v) {
+    const uint16_t* x = vectors[v] + q * kQuantBf16Round;
+    const __m512i even = _mm512_loadu_si512(x), odd = _mm512_loadu_si512(x + kQuantBf16Round / 2);
+    for (int r = 0; r < R; ++r) {
+      __m512 dots = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)low[r], (__m512bh)even);
+      dots = _mm512_dpbf16_ps(dots, (__m512bh)high[r], (__m512bh)odd);
+      sums.acc[A][r][v] = _mm512_fmadd_ps(dots, scale[r], sums.acc[A][r][v]);
+    }
+  }
+}
+
+template <int R, int V>
+TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                       const uint16_t* const* vectors, float* out, int out_stride) {
+  const float* e8m0 = byte_tables().e8m0;
+  const __m512i table = e2m1_bf16_table();
+  const uint8_t* codes[R];
+  const uint8_t* scales[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = m.row_codes(expert, rows[r]);
+    scales[r] = m.row_byte_scales(expert, rows[r]);
+  }
+  Bf16Sums<R, V> sums;
+  sums.clear();
+  const int64_t whole = m.cols / kQuantBf16Round;
+  int64_t q = 0;
+  for (; q + 1 < whole; q += 2) {
+    mxfp4_bf16_round<R, V, 0, true>(codes, scales, e8m0, table, vectors, q, m.prefetch_bytes, sums);
+    mxfp4_bf16_round<R, V, 1, true>(codes, scales, e8m0, table, vectors, q + 1, m.prefetch_bytes, sums);
+  }
+  if (q < whole) mxfp4_bf16_round<R, V, 0, true>(codes, scales, e8m0, table, vectors, q++, m.prefetch_bytes, sums);
+  if (m.cols % kQuantBf16Round) {
+    mxfp4_bf16_round<R, V, 1, false>(codes, scales, e8m0, table, vectors, q, m.prefetch_bytes, sums);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      out[r * out_stride + v] = _mm512_reduce_add_ps(_mm512_add_ps(sums.acc[0][r][v], sums.acc[1][r][v]));
+    }
+  }
+}
+
+// fp8_block with bfloat16 vectors in element order: 32 E4M3 bytes widened to 16-bit lanes look up
+// their magnitudes' bfloat16 bits (exact: every E4M3 value, subnormals included, is a normal
+// bfloat16) in two 64-entry tables, one two-source permute each, kept by index bit 6; the sign bit
+// is then put in place.  NaN codes look up a NaN.  The dot products of a scale block's 32-element
+// steps sum in float32 lanes, which then take the block's scale in one multiply-add.
+struct E4m3Bf16Tables {
+  __m512i magnitudes[4];  // bfloat16 bits of magnitude codes 0..127, 32 per register
+};
+
+TUTEL_AVX512_BF16 inline E4m3Bf16Tables e4m3_bf16_tables() {
+  alignas(64) uint16_t bits[128];
+  const float* e4m3 = byte_tables().e4m3;
+  for (int c = 0; c < 128; ++c) {
+    uint32_t u;
+    std::memcpy(&u, &e4m3[c], 4);
+    bits[c] = uint16_t(u >> 16);  // exact: E4M3 values have at most 4 significant bits
+  }
+  E4m3Bf16Tables t;
+  for (int i = 0; i < 4; ++i) t.magnitudes[i] = _mm512_load_si512(bits + 32 * i);
+  return t;
+}
+
+// `count` (1..32) codes at p as bfloat16 bits; zeros past `count`.
+TUTEL_AVX512_BF16 inline __m512i e4m3_bf16_32(const uint8_t* p, int count, const E4m3Bf16Tables& t) {
+  const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
+  const __m512i wide = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kept, p));
+  const __m512i low = _mm512_permutex2var_epi16(t.magnitudes[0], wide, t.magnitudes[1]);
+  const __m512i high = _mm512_permutex2var_epi16(t.magnitudes[2], wide, t.magnitudes[3]);
+  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(wide, _mm512_set1_epi16(0x40)), low, high);
+  // magnitude | (byte << 8 & 0x8000): the sign bit in place
+  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(wide, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xf8);
+}
+
+template <int R, int V>
+TUTEL_AVX512_BF16 void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                           const uint16_t* const* vectors, float* out, int out_stride) {
+  const E4m3Bf16Tables tables = e4m3_bf16_tables();
+  const uint8_t* codes[R];
+  const float* scales[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = m.row_codes(expert, rows[r]);
+    scales[r] = m.row_float_scales(expert, rows[r]);
+  }
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t width = m.block_cols;
+  for (int64_t b = 0, k0 = 0; k0 < m.cols; ++b, k0 += width) {
+    const int64_t k1 = std::min(m.cols, k0 + width);
+    __m512 dots[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) dots[r][v] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 32) {  // blocks are whole 32-element steps but the row's last
+      const int count = int(std::min<int64_t>(32, k1 - k));
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) {
+        if ((k & 63) == 0) prefetch_codes(codes[r] + k, m.prefetch_bytes);
+        w[r] = e4m3_bf16_32(codes[r] + k, count, tables);
+      }
+      for (int v = 0; v < V; ++v) {
+        const __m512i x = _mm512_loadu_si512(vectors[v] + k);  // zeros past the row: the layout's padding
+        for (int r = 0; r < R; ++r) dots[r][v] = _mm512_dpbf16_ps(dots[r][v], (__m512bh)w[r], (__m512bh)x);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_set1_ps(scales[r][b]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(dots[r][v], scale, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) out[r * out_stride + v] = _mm512_reduce_add_ps(acc[r][v]);
+}
+
+template <int R, int V>
+TUTEL_AVX512_BF16 void bf16_dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+                                    const uint16_t* const* vectors, float* out, int out_stride) {
+  if (m.format == QuantFormat::kFp8Block) {
+    fp8_block_bf16_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+  } else {
+    mxfp4_bf16_dots<R, V>(m, expert, rows, vectors, out, out_stride);
+  }
+}
+
+template <int R>
+void rows_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, const uint16_t* const* vectors,
+                    int count, float* out) {
+  for (int v0 = 0; v0 < count; v0 += 4) {  // four vectors at a time: 2 x R x 4 sums stay in registers
+    const uint16_t* const* tile = vectors + v0;
+    float* tile_out = out + v0;
+    switch (std::min(4, count - v0)) {
+      case 1: bf16_dots_of<R, 1>(m, expert, rows, tile, tile_out, count); break;
+      case 2: bf16_dots_of<R, 2>(m, expert, rows, tile, tile_out, count); break;
+      case 3: bf16_dots_of<R, 3>(m, expert, rows, tile, tile_out, count); break;
+      default: bf16_dots_of<R, 4>(m, expert, rows, tile, tile_out, count); break;
+    }
+  }
+}
+
+// mxfp4, and fp8_block with blocks a multiple of 32 wide (quantized_decode.cpp's takes_bf16).
+void avx512_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
+                      const uint16_t* const* vectors, int count, float* out) {
+  if (row_count == 2) {
+    rows_bf16_dots<2>(m, expert, rows, vectors, count, out);
+  } else {
+    rows_bf16_dots<1>(m, expert, rows, vectors, count, out);
+  }
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
 // What the kernels need of the CPU, and of the OS (__builtin_cpu_supports checks that it saves
 // the 512-bit state).
 bool cpu_has_avx512_quant() {
@@ -270,6 +474,14 @@ const QuantKernels* avx512_quant_kernels() {
 #ifdef TUTEL_HAVE_AVX2_KERNELS
   static const QuantKernels kernels{&avx512_dots, "avx512", &avx512_split_dots};
   if (cpu_has_avx512_quant()) return &kernels;
+#endif
+  return nullptr;
+}
+
+const QuantKernels* avx512_bf16_quant_kernels() {
+#ifdef TUTEL_HAVE_AVX2_KERNELS
+  static const QuantKernels kernels{&avx512_dots, "avx512_bf16", &avx512_split_dots, &avx512_bf16_dots};
+  if (cpu_has_avx512_quant() && cpu_has_avx512_bf16()) return &kernels;
 #endif
   return nullptr;
 }

@@ -101,7 +101,7 @@ TORCH_LIBRARY(tutel, m) {
   // (u' + up_offset) * g' * sigmoid(alpha g') with g', u' clamped by limit as gated_unit's;
   // 'gelu' / 'gelu_tanh' / 'relu': up rows only.  Biases float32, gate_up_bias laid out like
   // gate_up's rows.  x float32 / bfloat16 / float16 [T, H]; weights any floating dtype or None
-  // (1); returns [T, O] in x's dtype.  Sums in float32.  CPU only.
+  // (1); returns [T, O] in x's dtype.  Sums in float32; the unit's values rounded to x's dtype.
   m.def(
       "decode_quantized_experts(Tensor x, Tensor expert_ids, Tensor? weights, str format, Tensor gate_up, "
       "Tensor gate_up_scales, Tensor? gate_up_global, Tensor down, Tensor down_scales, Tensor? down_global, "

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -144,6 +145,73 @@ void check_kernels(const QuantKernels& kernels) {
   }
 }
 
+// bf16_dots with bfloat16 vectors in the bfloat16 layouts (mxfp4: rounds of 64 elements, the even
+// ones first; fp8_block with blocks a multiple of 32 wide: element order): against the same double
+// sums of the vectors' values, for rows of whole and half rounds, partial last blocks, one to nine
+// vectors, one and two rows.
+void check_bf16_kernels(const QuantKernels& kernels) {
+  ASSERT_NE(kernels.bf16_dots, nullptr);
+  std::mt19937 rng(11);
+  struct Case {
+    QuantFormat format;
+    int64_t cols, block_rows, block_cols;
+  };
+  const Case cases[] = {{QuantFormat::kMxfp4, 32, 1, 1},          {QuantFormat::kMxfp4, 64, 1, 1},
+                        {QuantFormat::kMxfp4, 96, 1, 1},          {QuantFormat::kMxfp4, 2880, 1, 1},
+                        {QuantFormat::kMxfp4, 160, 1, 1},         {QuantFormat::kFp8Block, 200, 128, 128},
+                        {QuantFormat::kFp8Block, 96, 3, 32},      {QuantFormat::kFp8Block, 130, 2, 64},
+                        {QuantFormat::kFp8Block, 7, 1, 32}};
+  for (const Case& c : cases) {
+    const int64_t experts = 3, rows = 7, cols = c.cols;
+    RandomStack stack(c.format, experts, rows, cols, c.block_rows, c.block_cols, rng);
+    ASSERT_TRUE(bf16_takes(stack.m));
+    const bool split = c.format == QuantFormat::kMxfp4;
+    const int64_t width = (cols + kQuantBf16Round - 1) / kQuantBf16Round * kQuantBf16Round, half = kQuantBf16Round / 2;
+    for (int64_t prefetch : {int64_t(0), prefetch_rows_ahead(stack.m, 8)}) {
+      stack.m.prefetch_bytes = prefetch;
+      for (int count = 1; count <= 9; ++count) {
+        // Element k of vector v: values[v][k], a bfloat16 value, placed as the layout says; zero
+        // past cols.
+        std::vector<std::vector<double>> values(size_t(count), std::vector<double>(size_t(cols), 0.0));
+        std::vector<uint16_t> bits(size_t(count * width), 0);
+        std::vector<const uint16_t*> vectors;
+        std::normal_distribution<float> normal;
+        for (int v = 0; v < count; ++v) {
+          for (int64_t k = 0; k < cols; ++k) {
+            float f = normal(rng);
+            uint32_t u;
+            std::memcpy(&u, &f, 4);
+            u &= 0xffff0000u;  // truncated to a bfloat16 value
+            std::memcpy(&f, &u, 4);
+            values[size_t(v)][size_t(k)] = f;
+            const int64_t round = k / kQuantBf16Round * kQuantBf16Round, j = k - round;
+            bits[size_t(v * width + (split ? round + (j & 1) * half + j / 2 : k))] = uint16_t(u >> 16);
+          }
+          vectors.push_back(bits.data() + v * width);
+        }
+        for (int row_count = 1; row_count <= 2; ++row_count) {
+          const int64_t expert = 1, picked[2] = {6, 3};
+          std::vector<float> out(size_t(row_count * count));
+          kernels.bf16_dots(stack.m, expert, picked, row_count, vectors.data(), count, out.data());
+          for (int r = 0; r < row_count; ++r) {
+            for (int v = 0; v < count; ++v) {
+              double want = 0, scale = 0;
+              for (int64_t k = 0; k < cols; ++k) {
+                const double term = stack.value(expert, picked[r], k) * values[size_t(v)][size_t(k)];
+                want += term;
+                scale += std::fabs(term);
+              }
+              EXPECT_NEAR(out[size_t(r * count + v)], want, double(cols + 4) * std::ldexp(scale, -24) + 1e-30)
+                  << kernels.name << " format " << int(c.format) << " cols " << cols << " row " << r << " vector " << v
+                  << " of " << count;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(QuantizedDecode, PortableKernelsMatchDoubleSums) { check_kernels(portable_quant_kernels()); }
 
 TEST(QuantizedDecode, Avx2KernelsMatchDoubleSums) {
@@ -158,10 +226,18 @@ TEST(QuantizedDecode, Avx512KernelsMatchDoubleSums) {
   check_kernels(*avx512);
 }
 
+TEST(QuantizedDecode, Avx512Bf16KernelsMatchDoubleSums) {
+  const QuantKernels* bf16 = avx512_bf16_quant_kernels();
+  if (bf16 == nullptr) GTEST_SKIP() << "no AVX512-BF16 on this CPU or in this build";
+  check_kernels(*bf16);
+  check_bf16_kernels(*bf16);
+}
+
 TEST(QuantizedDecode, BestKernelsAreTheWidestThisCpuRuns) {
+  const QuantKernels* bf16 = avx512_bf16_quant_kernels();
   const QuantKernels* avx512 = avx512_quant_kernels();
   const QuantKernels* avx2 = avx2_quant_kernels();
-  EXPECT_EQ(&best_quant_kernels(), avx512 ? avx512 : avx2 ? avx2 : &portable_quant_kernels());
+  EXPECT_EQ(&best_quant_kernels(), bf16 ? bf16 : avx512 ? avx512 : avx2 ? avx2 : &portable_quant_kernels());
 }
 
 }  // namespace

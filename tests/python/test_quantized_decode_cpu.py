@@ -171,7 +171,8 @@ def per_choice(matrices, vectors, e):
 
 def reference(x, expert_ids, weights, w_gate_up, w_down, gate_up_bias, down_bias, unit, dtype):
     """The experts' weighted sum in float64 and, per output, a bound of the error of float32
-    sums (each product and sum rounded once) plus the output's rounding to `dtype`."""
+    sums (each product and sum rounded once), the unit's values rounded to `dtype` and the output's
+    rounding to `dtype`."""
     experts, inter = w_gate_up.shape[0], w_down.shape[2]
     tokens, k = expert_ids.shape
     kept = ((expert_ids >= 0) & (expert_ids < experts)).reshape(-1)
@@ -196,6 +197,7 @@ def reference(x, expert_ids, weights, w_gate_up, w_down, gate_up_bias, down_bias
     # of each of its terms).
     h_error = slope_gate * gate_error + slope_up * up_error \
         + 32 * UNIT_ROUNDOFF * (h.abs() + slope_gate * gate.abs() + slope_up * up.abs())
+    h_error = h_error + OUTPUT_ROUNDING[dtype] * (h.abs() + h_error)  # h rounded to the tokens' dtype
     y, y_abs = per_choice(w_down, h, e)
     carried, _ = per_choice(w_down.abs(), h_error, e)
     y_error = gamma(inter + 4) * y_abs + carried
@@ -448,5 +450,5 @@ def test_the_operator_checks_its_arguments_itself():
 def test_the_kernel_set_is_named():
     with pytest.raises(ValueError, match="'avx9' is not a kernel set this CPU runs; allowed: 'best', "):
         set_quantized_decode_kernels("avx9")
-    assert KERNEL_SETS[-1] == "portable" and set(KERNEL_SETS) <= {"avx512", "avx2", "portable"}
+    assert KERNEL_SETS[-1] == "portable" and set(KERNEL_SETS) <= {"avx512_bf16", "avx512", "avx2", "portable"}
     assert quantized_decode_kernels() == KERNEL_SETS[0]

@@ -26,11 +26,12 @@ then holds 2I rows, the gates then the ups, or alternating when ``unit.interleav
 ``"gelu"``, ``"gelu_tanh"``, ``"relu"`` (gate_up holds I up rows, no gate).
 
 Each routed expert's codes are streamed once per call, decoded in registers (on the CPU AVX-512 or
-AVX2 with FMA and F16C where the CPU has them, portable loops otherwise; on CUDA the kernels of
+AVX2 with FMA and F16C where the CPU has them, portable loops otherwise, and for bfloat16 tokens
+times MXFP4 codes AVX512-BF16's dot products, whose products are exact; on CUDA the kernels of
 kernels/quantized_decode.cu, 16 bytes of codes a load), and the gate/up products, the unit, the
 down products and the weighted sum run fused with float32 sums, in two parallel passes (the
-gate/up pass leaves the units' values of every choice in float32, the down pass adds each
-token's weighted rows).  On CUDA the two passes are two kernel launches with no host
+gate/up pass leaves the units' values of every choice rounded to x's dtype, as the model's
+experts and the prefill products keep them; the down pass adds each token's weighted rows).  On CUDA the two passes are two kernel launches with no host
 synchronisation, so CUDA graphs capture the call; where those kernels fail the first-use self-check
 on a device (tutel.ops.backend), the composite operator (tutel.ops.composite, one float32 product
 per chosen expert after dequantizing it, which reads the chosen experts back to the host) runs

@@ -22,7 +22,8 @@ namespace {
 // The kernel sets by name, widest first; "best" is the first this CPU runs.
 std::vector<const core::QuantKernels*> available_kernels() {
   std::vector<const core::QuantKernels*> sets;
-  for (const core::QuantKernels* kernels : {core::avx512_quant_kernels(), core::avx2_quant_kernels()}) {
+  for (const core::QuantKernels* kernels :
+       {core::avx512_bf16_quant_kernels(), core::avx512_quant_kernels(), core::avx2_quant_kernels()}) {
     if (kernels != nullptr) sets.push_back(kernels);
   }
   sets.push_back(&core::portable_quant_kernels());

@@ -1,7 +1,8 @@
 // kernels/quantized_decode.cu on the CPU, launched as csrc/ops/cuda/decode_quantized_experts_cuda.cpp
 // launches it (the gate/up kernel, then the down kernel), against a long double loop written from
 // the formats' specifications: every output within a bound on the kernels' float32 rounding
-// propagated through the unit and the down product, plus one rounding to the data type.
+// propagated through the unit (whose values are rounded to the data type) and the down product,
+// plus one rounding to the data type.
 //
 // Every format (mxfp4; nvfp4 with its per-matrix scale; fp8_block with 128 x 128 blocks, partial
 // along both dimensions, 16 x 16 and odd 5 x 7 blocks) with every unit (SwiGLU, gpt-oss' clamped
@@ -192,6 +193,8 @@ Reference reference(const Problem& p, const Case& c) {
         if (is_gated) g = row_dot(p.gate_up, e, gate_row, x_row.data(), c.hidden, bias_of(gate_row), &g_mag);
         unit_value(c.unit, g, u, (c.hidden + 6) * kAccEps * g_mag, (c.hidden + 6) * kAccEps * u_mag, &h[size_t(i)],
                    &h_error[size_t(i)]);
+        // h rounded to the data type (a relative half unit, tiny values to the subnormal step)
+        h_error[size_t(i)] += kDataEps * (std::fabs(h[size_t(i)]) + h_error[size_t(i)]) + kDataTiny;
       }
       for (int64_t o = 0; o < c.outputs; ++o) {
         const long double bias = c.biases ? (long double)p.down_bias[size_t(e * c.outputs + o)] : 0.0L;

@@ -7,7 +7,8 @@
 over the choices whose id lies in [0, E).  Each chosen expert's matrices are dequantized whole
 (tutel.quant.codes' decoders, from the formats' bit layouts; each weight is a float32 number, as
 the kernels decode it, nvfp4's per-matrix scale applied to the products) and multiplied in
-float32, with one rounding to x's dtype at the end; the products are PyTorch's, summed in another
+float32, the unit's values rounded to x's dtype between the products and the sum once at the
+end; the products are PyTorch's, summed in another
 order than the kernels', so the two agree to rounding.  One product per chosen expert, so this
 reads the chosen experts back to the host: it cannot be captured in a CUDA graph.
 """
@@ -82,7 +83,7 @@ def decode_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
         token, choice = (ids == e).nonzero(as_tuple=True)
         rows = x.index_select(0, token).to(torch.float32)
         hidden = _unit(_product(rows, format, gate_up, gate_up_scales, gate_up_global, block, gate_up_bias, e),
-                       activation, alpha, up_offset, limit, interleaved)
+                       activation, alpha, up_offset, limit, interleaved).to(x.dtype).to(torch.float32)
         rows_out = _product(hidden, format, down, down_scales, down_global, block, down_bias, e)
         if weights is not None:
             rows_out = rows_out * weights[token, choice].to(torch.float32).unsqueeze(1)
