@@ -154,12 +154,15 @@ def _cuda_timing_event() -> object:
 
 
 def interleaved_event_medians(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int = 1,
-                              make_event: Callable[[], object] = _cuda_timing_event) -> Dict[str, float]:
+                              make_event: Callable[[], object] = _cuda_timing_event,
+                              before_each: Optional[Callable[[], object]] = None) -> Dict[str, float]:
     """Median milliseconds per call of each candidate, timed with device events around each call:
     the rounds of _common.interleaved_medians (`warmup` untimed rounds, then `reps` rounds each
     running every candidate once, in an order shuffled per round from the same seed), with the
     host clock and its synchronisation replaced by events recorded on the current stream, for calls
-    (graph replays) that take microseconds."""
+    (graph replays) that take microseconds.  `before_each`, when given, runs untimed before every
+    timed call (_limits.device_cache_reset: the device's caches emptied and the device idle again,
+    so that no launch of the call hides behind work still queued)."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
@@ -169,6 +172,8 @@ def interleaved_event_medians(candidates: Dict[str, Callable[[], object]], reps:
     for _ in range(reps):
         shuffler.shuffle(order)
         for name in order:
+            if before_each is not None:
+                before_each()
             start, end = make_event(), make_event()
             start.record()
             candidates[name]()

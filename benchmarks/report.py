@@ -28,7 +28,7 @@ QUANTIZED_BENCHMARKS = ("quantized_experts", "quantized_linear")
 # optional: two builds of tutel timed against each other (benchmarks/compare_builds.py)
 CHANGE_BENCHMARKS = ("compare_builds", "host_cost")
 # optional: runs on a GPU (benchmarks/run_on_gpu.sh), copied here from its output directory
-GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels", "decode_line_cuda")
+GPU_BENCHMARKS = ("transformers_moe_cuda", "cuda_kernels", "decode_line_cuda", "quantized_experts_cuda")
 
 # The issue's targets (fp32, this 2-core machine).
 TARGETS = {"layer/ideal E=8": 1.10, "layer/ideal E=64": 1.25, "naive/layer E=64": 5.0, "dispatch of copy": 0.5,
@@ -1024,7 +1024,7 @@ def transformers_section(result: dict, picture: str = "") -> str:
 
 
 GPU_INTRO = """`bash benchmarks/run_on_gpu.sh DIR` builds tutel with its CUDA operators, runs the tests that need a
-GPU and the two GPU benchmarks below, and writes their JSON to DIR (copied to benchmarks/results).
+GPU and the GPU benchmarks below, and writes their JSON to DIR (copied to benchmarks/results).
 `benchmarks/transformers_moe.py --device cuda --full-size` times the same candidates as above on the
 published models' own layer shapes (Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8; Mixtral-8x7B:
 H 4096, I 14336, 8 experts, top-2; DeepSeek-V3: H 7168, I 2048, 256 experts in 8 groups, top-8, one
@@ -1120,6 +1120,39 @@ def decode_line_section(line: dict) -> str:
               "the least over the families where the grouped path won).")
 
 
+def quantized_experts_cuda_section(result: dict) -> str:
+    """benchmarks/quantized_experts.py --device cuda: the quantized experts on a GPU against tutel's bfloat16
+    call and transformers' FP8 experts, eager and replayed from CUDA graphs, with the targets judged."""
+    rows = result["rows"]
+    labelled = [dict(row, family=row.get("model"), **{"pass": "fwd"}) for row in rows]  # as cuda_failures names cases
+    skipped = sorted({(name, why) for row in rows for name, why in (row.get("skipped") or {}).items()})
+    targets = [{"model": t["model"], "T": t["T"], "target": t["target"], "value": t["value"],
+                "met": "not measured: " + str(t.get("why")) if t["met"] is None else "yes" if t["met"] else "**no**"}
+               for t in result.get("targets", [])]
+    text = ("### Quantized experts on the GPU (`benchmarks/quantized_experts.py --device cuda`)\n\n"
+            f"`{result.get('command', 'python benchmarks/quantized_experts.py --device cuda')}` on "
+            f"{result.get('device_name')} (torch {result['machine']['torch']}; finished {result['finished']}"
+            f"{'; stopped before the end' if result.get('partial') else ''}).  The CPU section's layers and token "
+            "counts: `routed_quantized_experts` weight-only in each format (*mxfp4*, *nvfp4*, *fp8_block*), "
+            "`routed_experts` in bfloat16 (*bf16*) and, for Qwen3's block-FP8 layer, transformers' `FP8Experts` "
+            "over the same FP8 tensors under tutel (*hf_fp8_tutel*: W8A8 as transformers computes; "
+            "*_weight_only*) and under its own implementations (*best_hf_fp8*).  *_ms*: eager, CUDA events around "
+            "each call started on an idle device with a cold L2; *_graph_ms*: replayed from a CUDA graph; "
+            "*limit*: the chosen experts' packed tensors read once at the bandwidth of a 1 GiB sum timed among "
+            "the candidates; *_kernels*: kernels one call launches (torch.profiler).\n\n"
+            + format_table(rows, present_columns(rows, result["columns"])) + "\n\n"
+            + format_table(rows, present_columns(rows, result.get("kernel_columns", []))))
+    failures = [f"- {row.get('model')} T={row.get('T')}: the case failed: `{row['error']}`" for row in rows
+                if row.get("error")] + cuda_failures(labelled)
+    if failures:
+        text += "\n\nFailed cases, captures and kernel counts (first line of the error):\n\n" + "\n".join(failures)
+    if skipped:
+        text += "\n\nNot run:\n\n" + "\n".join(f"- {name}: {why}" for name, why in skipped)
+    if targets:
+        text += "\n\nTargets:\n\n" + format_table(targets, ["model", "T", "target", "value", "met"])
+    return text
+
+
 def gpu_section(results: Dict[str, dict]) -> str:
     """The GPU runs: transformers' blocks at full size, and tutel's CUDA kernels against a copy."""
     parts = ["## On a GPU", GPU_INTRO]
@@ -1139,6 +1172,9 @@ def gpu_section(results: Dict[str, dict]) -> str:
     line = results.get("decode_line_cuda")
     if line:
         parts.append(decode_line_section(line))
+    quantized = results.get("quantized_experts_cuda")
+    if quantized:
+        parts.append(quantized_experts_cuda_section(quantized))
     kernels = results.get("cuda_kernels")
     if kernels:
         parts.append("### tutel's CUDA kernels against a device-to-device copy\n\n"

@@ -35,14 +35,14 @@ def test_an_unknown_step_is_refused_with_the_list_of_steps(tmp_path):
     result = _run("build benchmark", tmp_path)
     assert result.returncode == 2
     assert "unknown step 'benchmark'" in result.stdout
-    assert "build gpu_tests helloworld cuda_kernels decode_line transformers_moe" in result.stdout
+    assert "build gpu_tests helloworld cuda_kernels quantized_experts decode_line transformers_moe" in result.stdout
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # refused before any step
 
 
 def test_the_prescribed_halves_cover_every_step_once_within_one_command():
     halves = re.findall(r'TUTEL_GPU_STEPS="([\w ]+)" bash benchmarks/run_on_gpu.sh', _script())
     limits = _step_limits()
-    assert set(limits) == {"build", "gpu_tests", "helloworld", "cuda_kernels", "decode_line",
+    assert set(limits) == {"build", "gpu_tests", "helloworld", "cuda_kernels", "quantized_experts", "decode_line",
                            "transformers_moe"}
     assert len(halves) == 2
     named = [name for half in halves for name in half.split()]
@@ -74,3 +74,21 @@ def test_the_gpu_tests_are_every_test_file_with_tests_that_need_a_cuda_device():
                     if re.search(r"reason=\"needs a CUDA device\"|cuda_available\b", handle.read()):
                         needing.add(os.path.relpath(os.path.join(directory, name), REPO))
     assert needing and needing <= listed, sorted(needing - listed)
+
+
+def test_the_gpu_tests_include_the_quantized_experts_cuda_launch_counts():
+    """The launch counts of the quantized experts trace fake CUDA tensors (they run anywhere), and run
+    against the CUDA build's own operators in the gpu_tests step too."""
+    listed = set(re.findall(r"tests/python/[\w/]+\.py", _script()[_script().index("gpu_tests=("):]))
+    for path in ("tests/python/test_quantized_cuda_launches.py",
+                 "tests/python/test_quantized_grouped_linear_launches.py",
+                 "tests/python/integrations/test_quantized_cuda_launches_transformers.py"):
+        assert path in listed and os.path.exists(os.path.join(REPO, path)), path
+
+
+def test_the_quantized_experts_step_runs_the_cuda_benchmark_offline_into_the_output_directory():
+    line = next(line for line in _script().splitlines() if "step quantized_experts" in line)
+    following = _script()[_script().index(line):].split("\n", 2)[:2]
+    command = " ".join(following)
+    assert "HF_HUB_OFFLINE=1" in command and "benchmarks/quantized_experts.py --device cuda" in command
+    assert '--out "$out"' in command
