@@ -98,3 +98,11 @@ def no_native_16bit(monkeypatch):
     import tutel.ops.precision as precision
     monkeypatch.setitem(precision._NATIVE, torch.bfloat16, False)
     monkeypatch.setitem(precision._NATIVE, torch.float16, False)
+
+
+@pytest.fixture
+def keep_threads():
+    """Restores torch's thread count after a test that sets it (the benchmarks' smoke runs)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -17,12 +17,12 @@ report can tell them apart; the count itself leaves nothing out.
 """
 import contextlib
 import cProfile
-import importlib.util
 import os
 import pstats
-import sys
 import types
 from typing import Callable, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Tuple
+
+from benchmark_scripts import load_script
 
 FunctionKey = Tuple[str, int, str]  # (file, first line, name): how pstats names a function
 
@@ -193,17 +193,7 @@ def fake_cuda() -> Iterator[object]:
         yield mode
 
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
-
-
 def load_host_cost_benchmark() -> types.ModuleType:
     """benchmarks/host_cost.py as a fresh module (benchmarks/ on sys.path for its own imports): its
     cases are the calls the tests count."""
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_host_cost", os.path.join(BENCHMARKS_DIR,
-                                                                                           "host_cost.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host_cost")

@@ -5,17 +5,14 @@ and the sync debug mode.  What only a GPU can show (that a real capture of each 
 fails as recorded) is left to `python benchmarks/transformers_moe.py --device cuda`.  No timing is
 checked here."""
 import importlib
-import importlib.util
-import os
 import sys
 from types import SimpleNamespace
 from typing import Callable, List
 
-import pytest
 import torch
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
+from benchmark_scripts import BENCHMARKS_DIR, FakeClock, load_script
+
 if BENCHMARKS_DIR not in sys.path:
     sys.path.insert(0, BENCHMARKS_DIR)
 
@@ -24,18 +21,7 @@ CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
 def load_transformers_moe():
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_transformers_moe_cuda_fields",
-                                                  os.path.join(BENCHMARKS_DIR, "transformers_moe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+    return load_script("transformers_moe", "tutel_benchmark_transformers_moe_cuda_fields")
 
 
 # ------------------------------------------------------------------------------------ error lines
@@ -108,25 +94,8 @@ def test_the_real_capture_never_raises():
 
 # ------------------------------------------------------------------------------- event-timed rounds
 
-class FakeClock:
-    """Device events on a clock that each candidate advances by its own cost when it runs."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def event(self):
-        clock = self
-
-        class Event:
-            def record(self):
-                self.at = clock.now
-
-            def synchronize(self):
-                pass
-
-            def elapsed_time(self, end):
-                return end.at - self.at
-        return Event()
+class CandidateClock(FakeClock):
+    """FakeClock with candidates that advance it by their cost and log their names."""
 
     def candidate(self, cost: float, log: list, name: str) -> Callable[[], None]:
         def run():
@@ -136,7 +105,7 @@ class FakeClock:
 
 
 def test_event_medians_interleave_every_candidate_once_per_round():
-    clock, log = FakeClock(), []
+    clock, log = CandidateClock(), []
     candidates = {"a": clock.candidate(1.0, log, "a"), "b": clock.candidate(0.25, log, "b"),
                   "c": clock.candidate(4.0, log, "c")}
     medians = cuda_timing.interleaved_event_medians(candidates, reps=5, warmup=2, make_event=clock.event)
@@ -259,7 +228,7 @@ def test_cuda_case_fields_on_stand_ins(monkeypatch, keep_threads):
         output = fn()
         return cuda_timing.CapturedGraph(FakeGraph(fn, output), output), None
 
-    clock = FakeClock()
+    clock = CandidateClock()
     modes = FakeModes()
     monkeypatch.setattr(bench, "try_capture", capture)
     monkeypatch.setattr(bench, "kernels_per_call", lambda fn: {"kernels": 3, "memcpy": 0, "memset": 1})

@@ -1,29 +1,20 @@
 """benchmarks/decode_line.py: the line it reads off its rows, the switch between its two candidates
 (traced on fake CUDA tensors, the path a GPU takes), and a run at tiny sizes.  No timing is checked."""
-import importlib.util
+import importlib
 import json
-import os
-import sys
 
 import pytest
 import torch
 
+from benchmark_scripts import load_script
 from launch_count import OperatorCount, fake_cuda
 from tutel.experts.routed import routed_experts
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
 DECODE = "tutel.decode_experts.default"
 
 
 def load_benchmark():
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_decode_line",
-                                                  os.path.join(BENCHMARKS_DIR, "decode_line.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_line")
 
 
 def _rows(times):

@@ -5,20 +5,11 @@ No timing is checked here."""
 import json
 import os
 import sys
-from typing import Iterator
 
 import pytest
-import torch
 
-from host_calls import BENCHMARKS_DIR, load_host_cost_benchmark as load_benchmark
-
-
-@pytest.fixture
-def keep_threads() -> Iterator[None]:
-    """Puts back the intra-op thread count the benchmark sets."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+from benchmark_scripts import BENCHMARKS_DIR
+from host_calls import load_host_cost_benchmark as load_benchmark
 
 
 def test_quick_run_counts_every_case_and_writes_json(tmp_path, keep_threads):

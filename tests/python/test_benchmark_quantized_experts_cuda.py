@@ -4,7 +4,6 @@ graph captures, the profiler's kernel count) replaced by stand-ins on a fake clo
 show (the times, which captures succeed) is left to the run itself (benchmarks/run_on_gpu.sh).  No
 timing is checked here."""
 import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,8 +12,9 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHMARKS_DIR = os.path.join(REPO, "benchmarks")
+from benchmark_scripts import BENCHMARKS_DIR, FakeClock, load_script
+
+REPO = os.path.dirname(BENCHMARKS_DIR)
 if BENCHMARKS_DIR not in sys.path:
     sys.path.insert(0, BENCHMARKS_DIR)
 
@@ -23,18 +23,7 @@ cuda_timing = importlib.import_module("cuda_timing")
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_quantized_experts_cuda",
-                                                  os.path.join(BENCHMARKS_DIR, "quantized_experts.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+    return load_script("quantized_experts", "tutel_benchmark_quantized_experts_cuda")
 
 
 def test_the_cli_refuses_cuda_without_a_device_and_writes_nothing(tmp_path):
@@ -68,26 +57,6 @@ def test_the_cases_of_a_gpu_run():
             "hf_fp8_batched_mm"} <= set(qwen3["candidates"])
     assert "hf_fp8_deepgemm_megamoe" in qwen3["left_out"] and "hf_fp8_deepgemm_megamoe" not in qwen3["candidates"]
 
-
-class FakeClock:
-    """Device events on a clock that each candidate advances by its own cost when it runs."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def event(self):
-        clock = self
-
-        class Event:
-            def record(self):
-                self.at = clock.now
-
-            def synchronize(self):
-                pass
-
-            def elapsed_time(self, end):
-                return end.at - self.at
-        return Event()
 
 
 class FakeGraph:

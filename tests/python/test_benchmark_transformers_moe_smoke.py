@@ -1,22 +1,13 @@
 """benchmarks/transformers_moe.py runs at tiny sizes (--smoke) and writes JSON that parses, with every
 candidate timed on every case.  No timing is checked here."""
-import importlib.util
 import json
-import os
 import sys
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
+from benchmark_scripts import BENCHMARKS_DIR, load_script
 
 
 def load_benchmark():
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    path = os.path.join(BENCHMARKS_DIR, "transformers_moe.py")
-    spec = importlib.util.spec_from_file_location("tutel_benchmark_transformers_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("transformers_moe")
 
 
 def test_smoke_run_writes_json(tmp_path):

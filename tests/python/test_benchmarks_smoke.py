@@ -1,6 +1,5 @@
 """Every benchmark script runs once at tiny sizes (--smoke) and writes JSON that parses, and the
 report is rebuilt from it, so the suite in benchmarks/ cannot rot.  No timing is checked here."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,24 +8,7 @@ import sys
 import pytest
 import torch
 
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "benchmarks")
-
-
-def load_script(name):
-    if BENCHMARKS_DIR not in sys.path:
-        sys.path.insert(0, BENCHMARKS_DIR)
-    spec = importlib.util.spec_from_file_location(f"tutel_benchmark_{name}", os.path.join(BENCHMARKS_DIR, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+from benchmark_scripts import BENCHMARKS_DIR, load_script
 
 
 @pytest.fixture(scope="module")
