@@ -24,3 +24,23 @@ __device__ __forceinline__ float e8m0_value(unsigned s) {
   if (s == 255u) return __uint_as_float(0x7fc00000u);
   return s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);
 }
+
+// The E4M3 (fn) value nearest to x, ties to the even code (OCP 8-bit floating point's rounding,
+// as PyTorch's .to(torch.float8_e4m3fn) rounds), saturating: magnitudes past 464 (the midpoint
+// between 448 and the next binade's 480, which E4M3 fn spends on NaN) and infinities give 448
+// (PyTorch's conversion gives NaN from 480 on); NaN stays NaN; the sign is kept (-0 too).  Normal
+// E4M3 magnitudes (2^-6 and up) keep float32's top three mantissa bits, rounded on the bits with
+// the even-tie rule (a carry moves to the next binade); below 2^-6 the values are multiples of
+// 2^-9, rounded by rintf (ties to even) of the exact product by 2^9.
+__device__ __forceinline__ float e4m3_rounded(float x) {
+  const unsigned bits = __float_as_uint(x), sign = bits & 0x80000000u, magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return x;
+  float rounded;
+  if (magnitude >= 0x3c800000u) {  // 2^-6
+    rounded = __uint_as_float((magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) & 0xfff00000u);
+    if (rounded > 448.0f) rounded = 448.0f;
+  } else {
+    rounded = rintf(__uint_as_float(magnitude) * 512.0f) * 0x1p-9f;
+  }
+  return __uint_as_float(__float_as_uint(rounded) | sign);
+}

@@ -22,6 +22,17 @@
 // rounded once to the rows' dtype.  Every sum runs in one fixed order, so results do not vary
 // from run to run.
 //
+// W8A8 (fp8_block with activation_group g > 0, DeepSeek-V3's dynamic activations): the rows are
+// quantized in the same launch, per row and group of g columns (the last group may be partial):
+// scale = amax / 448 in float32, codes = E4M3 rounding (quant_codes.cuh's e4m3_rounded, ties to
+// even) of value / max(scale, 1e-12).  When the reduction enters a new group, the four threads of
+// each row of the tile find the row's amax over the group's columns (two shuffles join their
+// parts); the rows' tile is staged as the codes' values (exact in bfloat16 and float16, so float32
+// rows need one part, not three), each row's scale of each step kept in shared memory, and each
+// step's product is multiplied by a_scale[row, group] * w_scale[column, block] in float32.  Each
+// 16-wide step must lie in one group: g a multiple of 16, or g >= K (one group a row), which the
+// operator checks.
+//
 // Block layout: 256 threads, 8 warps as 4 x 2, warp (wm, wn) computing rows 16 wm .. 16 wm + 15
 // and columns 32 wn .. 32 wn + 31 of the 64 x 64 tile (four 16 x 8 products per step).  Shared
 // tiles hold pairs of 16-bit values as 32-bit words, rows padded to 36 words: the fragment reads
@@ -110,10 +121,44 @@ __device__ __forceinline__ float column_scale(const TutelQuantMatrix& w, i64 e, 
   return e4m3_value(bytes[(e * w.rows + n) * (w.cols / 16) + k / 16]);
 }
 
+// The larger of two magnitudes, NaN winning (as PyTorch's max reductions propagate it).
+__device__ __forceinline__ float nan_max(float candidate, float current) {
+  return candidate > current || candidate != candidate ? candidate : current;
+}
+
+// W8A8: the largest magnitude of each row of the tile over columns [begin, end), found by the four
+// threads of the row (thread t: row t / 4, every fourth element or vector of the columns), joined
+// by two shuffles among them; 0 for the rows outside the tile.  Every thread of the block calls
+// it and gets its row's amax.  `vector`: 16-byte loads (begin is 0 or a multiple of 16 elements).
+__device__ __forceinline__ float row_group_amax(const storage_t* rows, i64 row_stride, const RowTile& tile, i64 begin,
+                                                i64 end, bool vector) {
+  const int r = threadIdx.x >> 2, q = threadIdx.x & 3;
+  float amax = 0.0f;
+  if (r < tile.count) {
+    const storage_t* src = rows + (tile.begin + r) * row_stride;
+    i64 rest = begin;
+    if (vector) {
+      typedef Pack<TUTEL_VECTOR_WIDTH> P;
+      const i64 whole = begin + (end - begin) / TUTEL_VECTOR_WIDTH * TUTEL_VECTOR_WIDTH;
+      for (i64 at = begin + q * TUTEL_VECTOR_WIDTH; at < whole; at += 4 * TUTEL_VECTOR_WIDTH) {
+        const P p = *reinterpret_cast<const P*>(src + at);
+#pragma unroll
+        for (int i = 0; i < TUTEL_VECTOR_WIDTH; ++i) amax = nan_max(fabsf(to_acc(p.v[i])), amax);
+      }
+      rest = whole;
+    }
+    for (i64 at = rest + q; at < end; at += 4) amax = nan_max(fabsf(to_acc(src[at])), amax);
+  }
+  amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, 1), amax);
+  return nan_max(__shfl_xor_sync(0xffffffffu, amax, 2), amax);
+}
+
 // Stages the rows' tile [row tile, k0 .. k0 + QGL_DEPTH): thread t the 16 values of row t / 4
-// starting at 16 (t % 4), zeros outside the expert's rows and past K.
+// starting at 16 (t % 4), zeros outside the expert's rows and past K.  W8A8 (divisor > 0, the
+// row's max(scale, 1e-12) for this step): the E4M3 codes of value / divisor, in part 0 only.
 __device__ __forceinline__ void stage_rows(const storage_t* rows, i64 row_stride, const RowTile& tile, i64 k0,
-                                           i64 depth, bool vector, unsigned (*a_tile)[QGL_ROWS][QGL_WORDS]) {
+                                           i64 depth, bool vector, float divisor,
+                                           unsigned (*a_tile)[QGL_ROWS][QGL_WORDS]) {
   const int r = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;
   storage_t v[16];
   const i64 k = k0 + seg;
@@ -130,6 +175,13 @@ __device__ __forceinline__ void stage_rows(const storage_t* rows, i64 row_stride
   } else {
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = inside && k + i < depth ? src[i] : storage_t(0);
+  }
+  if (divisor > 0.0f || divisor != divisor) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      a_tile[0][r][seg / 2 + i] = pair_word(code_bits(e4m3_rounded(to_acc(v[2 * i]) / divisor)),
+                                            code_bits(e4m3_rounded(to_acc(v[2 * i + 1]) / divisor)));
+    return;
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -194,14 +246,16 @@ __device__ __forceinline__ void stage_codes(const TutelQuantMatrix& w, i64 e, i6
 }
 
 // grid (rows / QGL_ROWS + experts + 1, ceil(N / QGL_COLS)); see the file comment.  rows: [n, K]
-// with row stride row_stride; ends [experts] int32; bias float32 [experts, N] or 0; out [n, N].
+// with row stride row_stride; ends [experts] int32; bias float32 [experts, N] or 0; out [n, N];
+// activation_group: W8A8's group width g (fp8_block only; 0: the rows as they are).
 template <int FORMAT>
 __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, i64 row_stride, const int* ends,
                                                          i64 row_count, i64 experts, const TutelQuantMatrix& w,
-                                                         const float* bias, storage_t* out) {
+                                                         const float* bias, storage_t* out, i64 activation_group) {
   __shared__ unsigned a_tile[QGL_PARTS][QGL_ROWS][QGL_WORDS];
   __shared__ unsigned b_tile[QGL_COLS][QGL_WORDS];
-  __shared__ float scales[QGL_STEPS][QGL_COLS];  // each step's scale of each column
+  __shared__ float scales[QGL_STEPS][QGL_COLS];      // each step's scale of each column
+  __shared__ float row_scales[QGL_STEPS][QGL_ROWS];  // W8A8: each step's activation scale of each row
   const RowTile tile = locate_row_tile(ends, row_count, experts, blockIdx.x, QGL_ROWS);
   if (tile.count == 0) return;  // the same for every thread
   const i64 outputs = w.rows, depth = w.cols, n0 = (i64)blockIdx.y * QGL_COLS;
@@ -210,6 +264,8 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
   const int row0 = 16 * (int)(warp & 3u), col0 = 32 * (int)(warp >> 2);
   // fp8_block blocks whose width is not a multiple of 16: steps that cross block boundaries.
   const bool split_steps = FORMAT == TUTEL_QUANT_FP8_BLOCK && w.block_cols % 16 != 0;
+  const bool quantize = FORMAT == TUTEL_QUANT_FP8_BLOCK && activation_group > 0;
+  const int parts = quantize ? 1 : QGL_PARTS;  // W8A8's codes are exact in one 16-bit part
   float acc[4][4];
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -222,8 +278,31 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
     const unsigned long long codes_at = (unsigned long long)w.codes;
     const bool codes_vector = FORMAT == TUTEL_QUANT_FP8_BLOCK ? codes_at % 16 == 0 && depth % 16 == 0
                                                               : codes_at % 8 == 0 && (depth / 2) % 8 == 0;
+    i64 scaled_group = -1;   // W8A8: the group whose scale group_scale is (of this thread's row)
+    float group_scale = 0.0f;
     for (i64 k0 = 0; k0 < depth; k0 += QGL_DEPTH) {
-      stage_rows(rows, row_stride, tile, k0, depth, rows_vector, a_tile);
+      float divisor = 0.0f;
+      if (quantize) {  // the scales of this tile's steps: a group's amax found once, as it is entered
+        const int own_step = threadIdx.x & 3;
+        float own_scale = 0.0f;
+        for (int s = 0; s < QGL_STEPS; ++s) {
+          const i64 k = k0 + 16 * s;
+          if (k >= depth) break;  // the same for every thread
+          const i64 group = k / activation_group;
+          if (group != scaled_group) {  // the same for every thread
+            const i64 begin = group * activation_group;
+            const i64 end = depth - begin > activation_group ? begin + activation_group : depth;
+            group_scale = row_group_amax(rows, row_stride, tile, begin, end, rows_vector) / 448.0f;
+            scaled_group = group;
+          }
+          if (s == own_step) {
+            own_scale = group_scale;
+            row_scales[s][threadIdx.x >> 2] = group_scale;
+          }
+        }
+        divisor = own_scale < 1e-12f ? 1e-12f : own_scale;  // (NaN stays NaN)
+      }
+      stage_rows(rows, row_stride, tile, k0, depth, rows_vector, divisor, a_tile);
       stage_codes<FORMAT>(w, e, n0, k0, codes_vector, b_tile);
       if (!split_steps) {
         const int s = threadIdx.x / QGL_COLS, c = threadIdx.x % QGL_COLS;
@@ -236,8 +315,14 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
         const i64 k = k0 + 16 * s;
         if (k >= depth) break;  // the same for every thread
         unsigned a[QGL_PARTS][4];
+        float row_scale[2] = {1.0f, 1.0f};  // a_scale of rows g and g + 8 (W8A8)
+        if (quantize) {
+          row_scale[0] = row_scales[s][row0 + g];
+          row_scale[1] = row_scales[s][row0 + g + 8];
+        }
 #pragma unroll
         for (int p = 0; p < QGL_PARTS; ++p) {
+          if (p >= parts) break;
           a[p][0] = a_tile[p][row0 + g][8 * s + t];
           a[p][1] = a_tile[p][row0 + g + 8][8 * s + t];
           a[p][2] = a_tile[p][row0 + g][8 * s + t + 4];
@@ -263,7 +348,8 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
             }
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int p = QGL_PARTS - 1; p >= 0; --p) tile_mma(part, a[p], b, part);  // smallest part first
+            for (int p = QGL_PARTS - 1; p >= 0; --p)  // smallest part first
+              if (p < parts) tile_mma(part, a[p], b, part);
             float scale[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -275,7 +361,7 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
               }
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] = fmaf(part[i], scale[i & 1], acc[j][i]);
+            for (int i = 0; i < 4; ++i) acc[j][i] = fmaf(part[i], row_scale[i >> 1] * scale[i & 1], acc[j][i]);
           }
         }
       }
@@ -304,8 +390,9 @@ __device__ __forceinline__ void quantized_grouped_linear(const storage_t* rows, 
 #define TUTEL_QGL_KERNEL(SUFFIX, FORMAT)                                                               \
   extern "C" __global__ void __launch_bounds__(TUTEL_BLOCK_THREADS) quantized_grouped_linear_##SUFFIX(  \
       const storage_t* rows, i64 row_stride, const int* ends, i64 row_count, i64 experts,              \
-      TutelQuantMatrix matrix, const float* bias, storage_t* out) {                                    \
-    quantized_grouped_linear<FORMAT>(rows, row_stride, ends, row_count, experts, matrix, bias, out);   \
+      TutelQuantMatrix matrix, const float* bias, storage_t* out, i64 activation_group) {              \
+    quantized_grouped_linear<FORMAT>(rows, row_stride, ends, row_count, experts, matrix, bias, out,    \
+                                     activation_group);                                                \
   }
 
 TUTEL_QGL_KERNEL(mxfp4, TUTEL_QUANT_MXFP4)

@@ -218,17 +218,17 @@ struct quantized_gate_up_nvfp4_vector {
 struct quantized_grouped_linear_fp8_block {
   static constexpr const char* file = "quantized_grouped_linear.cu";
   static constexpr const char* function = "quantized_grouped_linear_fp8_block";
-  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer, int64_t>;
 };
 struct quantized_grouped_linear_mxfp4 {
   static constexpr const char* file = "quantized_grouped_linear.cu";
   static constexpr const char* function = "quantized_grouped_linear_mxfp4";
-  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer, int64_t>;
 };
 struct quantized_grouped_linear_nvfp4 {
   static constexpr const char* file = "quantized_grouped_linear.cu";
   static constexpr const char* function = "quantized_grouped_linear_nvfp4";
-  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer>;
+  using params = KernelParams<AnyPointer, int64_t, AnyPointer, int64_t, int64_t, TutelQuantMatrix, AnyPointer, AnyPointer, int64_t>;
 };
 
 // kernels/route_experts.cu

@@ -32,6 +32,17 @@ std::vector<int64_t> checked_offsets_of(const at::Tensor& ends, int64_t experts,
   return offsets;
 }
 
+// W8A8's group width: 0, or for fp8_block a multiple of 16 or at least K.
+void check_activation_group(int64_t group, core::QuantFormat format, int64_t depth) {
+  TORCH_CHECK_VALUE(group >= 0, "tutel::", kOp, ": `activation_group` must be 0 (weight-only) or a positive group "
+                    "width, got ", group);
+  if (group == 0) return;
+  TORCH_CHECK_VALUE(format == core::QuantFormat::kFp8Block, "tutel::", kOp, ": `activation_group` = ", group,
+                    " (W8A8 activations) needs format 'fp8_block', got '", quant_format_name(format), "'");
+  TORCH_CHECK_VALUE(group % 16 == 0 || group >= depth, "tutel::", kOp, ": `activation_group` must be a multiple of "
+                    "16 or at least K = ", depth, " (one group a row), got ", group);
+}
+
 }  // namespace
 
 QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows, const at::Tensor& ends,
@@ -39,7 +50,7 @@ QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows,
                                                          const at::Tensor& scales,
                                                          const c10::optional<at::Tensor>& global_scale,
                                                          at::IntArrayRef block, const c10::optional<at::Tensor>& bias,
-                                                         bool read_ends) {
+                                                         int64_t activation_group, bool read_ends) {
   QuantizedGroupedLinearArgs a;
   a.format = quant_format_of(format, kOp);
   check_dim(rows, 2, kOp, "rows");
@@ -55,6 +66,8 @@ QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows,
   TORCH_CHECK_VALUE(a.stack.cols == rows.size(1) && a.stack.cols >= 1, "tutel::", kOp, ": `codes` ", codes.sizes(),
                     " holds rows of ", a.stack.cols, " elements but `rows` has ", rows.size(1),
                     " features; they must agree and be at least 1");
+  check_activation_group(activation_group, a.format, a.stack.cols);
+  a.activation_group = activation_group;
   check_ends_shape(ends, a.experts, rows);
   if (read_ends) a.offsets = checked_offsets_of(ends, a.experts, rows.size(0));
   if (bias.has_value()) {

@@ -22,17 +22,20 @@ struct QuantizedGroupedLinearArgs {
   at::Tensor bias;               // float32 [E, N] contiguous, or undefined
   int64_t experts = 0;
   int64_t block_rows = 1, block_cols = 1;  // fp8_block's scale block
+  int64_t activation_group = 0;            // W8A8's group width (fp8_block only), 0: weight-only
 };
 
 // With read_ends (the CPU), the ends' values are read and checked (non-decreasing within [0, n]);
 // without (CUDA, where that would synchronise with the host), only their dtype, shape and device,
-// and the kernel reads them as their clamped running maximum.
+// and the kernel reads them as their clamped running maximum.  activation_group: 0, or (fp8_block
+// only) W8A8's group width g, a multiple of 16 or at least K (every 16-wide step of the CUDA
+// kernel's reduction lies in one group).
 QuantizedGroupedLinearArgs quantized_grouped_linear_args(const at::Tensor& rows, const at::Tensor& ends,
                                                          const std::string& format, const at::Tensor& codes,
                                                          const at::Tensor& scales,
                                                          const c10::optional<at::Tensor>& global_scale,
                                                          at::IntArrayRef block, const c10::optional<at::Tensor>& bias,
-                                                         bool read_ends = true);
+                                                         int64_t activation_group, bool read_ends = true);
 
 }  // namespace ops
 }  // namespace tutel

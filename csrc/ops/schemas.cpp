@@ -116,9 +116,14 @@ TORCH_LIBRARY(tutel, m) {
   // (bfloat16 rows on AMX: rounded to bfloat16).  CUDA: one launch (kernels/quantized_grouped_linear.cu)
   // on the tensor cores, no host synchronisation: the ends are read on the device (their clamped
   // running maximum, unchecked), int64 ends converted to int32 first (one more launch).
+  // activation_group g > 0 (W8A8, fp8_block only; g a multiple of 16 or at least K): each row is
+  // quantized first, per group of g columns (the last may be partial), to E4M3 codes of
+  // value / max(scale, 1e-12) with the float32 scale amax / 448 (round to nearest, ties to even),
+  // and the product taken with codes * scale (core/activation_quant.h); the CPU quantizes into a
+  // float32 buffer and multiplies in float32, CUDA quantizes inside the same launch.
   m.def(
       "quantized_grouped_linear(Tensor rows, Tensor ends, str format, Tensor codes, Tensor scales, "
-      "Tensor? global_scale, int[] block, Tensor? bias) -> Tensor");
+      "Tensor? global_scale, int[] block, Tensor? bias, int activation_group=0) -> Tensor");
   // Rows grouped by expert: rows [N, C] whose rows offsets[e - 1] .. offsets[e] - 1 belong to expert e
   // (offsets [E] int32, the non-decreasing end of each expert's rows, offsets[E - 1] <= N; the rows
   // past it belong to no expert).  In place, rows[i] += bias[e(i)] (bias [E, C] in rows' dtype) in

@@ -58,9 +58,9 @@ CUDA_LAUNCHES = {
         lambda x, ids, weights, format, gate_up, gate_up_scales, gate_up_global, down, down_scales, *rest:
         2 + (format == "fp8_block") * ((gate_up_scales.dtype != torch.float32) + (down_scales.dtype != torch.float32)),
     # the kernel; int64 ends converted to int32, a bias other than float32 and fp8_block's scales other
-    # than float32 converted first (one launch each)
+    # than float32 converted first (one launch each); W8A8's quantization inside the kernel
     "tutel.quantized_grouped_linear.default":
-        lambda rows, ends, format, codes, scales, global_scale, block, bias:
+        lambda rows, ends, format, codes, scales, global_scale, block, bias, activation_group=0:
         1 + (ends.dtype != torch.int32) + (bias is not None and bias.dtype != torch.float32)
         + (format == "fp8_block" and scales.dtype != torch.float32),
     "tutel.add_expert_bias_.default": 1,

@@ -9,6 +9,7 @@ from tutel.ops.quantized_linear import (quantized_grouped_linear, quantized_line
                                         quantized_linear_kernels, set_quantized_linear_kernels,
                                         using_quantized_linear_kernels)
 from tutel.quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights
+from tutel.quant.activations import dynamic_activations
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block")
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -161,6 +162,95 @@ def test_inputs_not_changed():
     assert torch.equal(x, x_before)
     for name, t in stack.tensors().items():
         assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+
+
+# ---- W8A8: activation_group -------------------------------------------------------------------
+
+def w8a8_rows(rows, features, dtype, seed):
+    """Random rows scaled in turn by 0 (a zero row: scale 0), a tiny factor (float32 / bfloat16:
+    below 448e-12, where the divisor's floor 1e-12 takes over), 1 and a big factor."""
+    tiny, big = (2.0 ** -20, 64.0) if dtype == torch.float16 else (1e-20, 1e25)
+    factors = torch.tensor([0.0, tiny, 1.0, big], dtype=torch.float64).repeat(rows // 4 + 1)[:rows, None]
+    x = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (x * factors).to(dtype)
+
+
+def tie_rich_rows(rows, group, dtype, seed):
+    """Rows whose groups each start with 448, so that every scale is 1 and the codes are E4M3's
+    rounding of the values themselves, the others drawn from values with 1 to 5 significant bits
+    at every binade E4M3 holds and below it (exact ties between E4M3 neighbours among them)."""
+    generator = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-13, 9, (rows, group), generator=generator).double()
+    mantissas = torch.randint(16, 32, (rows, group), generator=generator).double() / 16
+    signs = torch.randint(0, 2, (rows, group), generator=generator).double() * 2 - 1
+    x = (signs * mantissas * torch.exp2(exponents)).clamp(-448, 448)
+    x[:, 0] = 448
+    return x.to(dtype)
+
+
+def w8a8_reference(rows, ends, stack, bias, group):
+    """dynamic_activations' rows (in float64: codes * scale exactly) through the float64 reference."""
+    return reference(dynamic_activations(rows, group, torch.float64), ends, stack, bias)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+@pytest.mark.parametrize("block, group", [((128, 128), 128), ((16, 32), 32), ((48, 24), 48), ((7, 7), 200)])
+def test_w8a8_quantizes_the_rows_as_dynamic_activations(kernels, dtype, block, group):
+    """activation_group: the rows quantized exactly as dynamic_activations quantizes them (the same
+    operator on its float32 rows gives the same bits), and the products within float32 rounding of
+    the float64 reference over those rows.  K = 200: 128-wide groups end with a partial one."""
+    stack = make_stack("fp8_block", 3, 45, 200, seed=group, block=block)
+    x = w8a8_rows(70, 200, dtype, seed=group)
+    ends = make_ends(70, 3, seed=group + 1)
+    bias = torch.randn(3, 45, generator=torch.Generator().manual_seed(2)) if group != 32 else None
+    with using_quantized_linear_kernels(kernels), torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack, bias, activation_group=group)
+        quantized = dynamic_activations(x, group, torch.float32)
+        assert torch.equal(got, quantized_grouped_linear(quantized, ends, stack, bias).to(dtype))
+    expected, magnitude = w8a8_reference(x, ends, stack, bias, group)
+    to_sum, to_out = TOLERANCES[torch.float32][0], TOLERANCES[dtype][1]
+    error = (got.double() - expected).abs()
+    spacing = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the dtype's subnormals' spacing
+    assert (error <= to_sum * magnitude + to_out * expected.abs() + spacing).all()
+    assert torch.count_nonzero(got[int(ends[-1]):]) == 0
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+def test_w8a8_rounds_to_e4m3_as_pytorch(dtype):
+    """Scales of 1 (each group's amax 448): the codes are PyTorch's float8_e4m3fn conversion of the
+    values, ties included; a code off anywhere changes the products' bits."""
+    stack = make_stack("fp8_block", 2, 29, 256, seed=3)
+    x = tie_rich_rows(40, 128, dtype, seed=5).repeat(1, 2)
+    ends = torch.tensor([17, 40])
+    with torch.no_grad():
+        got = quantized_grouped_linear(x, ends, stack, activation_group=128)
+        codes = x.float().to(torch.float8_e4m3fn).float()
+        assert torch.equal(dynamic_activations(x, 128, torch.float32), codes)
+        assert torch.equal(got, quantized_grouped_linear(codes, ends, stack).to(dtype))
+
+
+@pytest.mark.parametrize("group, error, match", [
+    (-1, ValueError, "`activation_group` must be 0"),
+    (24, ValueError, "multiple of 16 or at least K = 200"),
+    (1.5, TypeError, "`activation_group` must be an int"),
+])
+def test_bad_activation_groups_are_named(group, error, match):
+    stack = make_stack("fp8_block", 2, 9, 200, seed=1)
+    with pytest.raises(error, match=match):
+        quantized_grouped_linear(torch.randn(4, 200), [2, 4], stack, activation_group=group)
+
+
+def test_w8a8_needs_a_block_fp8_stack():
+    x, ends, stack = good_call()
+    with pytest.raises(ValueError, match="`activation_group` = 64 .* needs an Fp8BlockWeights"):
+        quantized_grouped_linear(x, ends, stack, activation_group=64)
+    with pytest.raises(ValueError, match="`activation_group` = 64 .* needs format 'fp8_block'"):
+        torch.ops.tutel.quantized_grouped_linear(x, ends, "mxfp4", stack.packed, stack.scales, None, [], None, 64)
+    fp8 = make_stack("fp8_block", 2, 9, 200, seed=1)
+    with pytest.raises(ValueError, match="multiple of 16 or at least K = 200"):
+        torch.ops.tutel.quantized_grouped_linear(torch.randn(4, 200), torch.tensor([2, 4]), "fp8_block", fp8.weight,
+                                                 fp8.scale_inv, None, [128, 128], None, 100)
 
 
 # ---- bad input --------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def _decode_quantized_experts(x, expert_ids, weights, format, gate_up, gate_up_s
 
 # quantized_grouped_linear: [n, N] in rows' dtype, N the stack's rows.
 @register_fake("tutel::quantized_grouped_linear")
-def _quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias):
+def _quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias, activation_group=0):
     return rows.new_empty((rows.shape[0], codes.shape[1]))
 
 

@@ -23,8 +23,12 @@ What the products' inputs are (``activations``):
   where the block is the whole matrix), to E4M3 with the float32 scale amax / 448 (codes
   a / scale rounded to nearest, ties to even; an all-zero group gives zeros): DeepSeek-V3's
   ``act_quant`` and the rule transformers' finegrained-fp8 kernels apply inline.  The product is
-  then sum over the groups of a_scale * w_scale * (a_codes . w_codes), computed as the product of
-  the dequantized operands.
+  then sum over the groups of a_scale * w_scale * (a_codes . w_codes).  For float32 / bfloat16 /
+  float16 rows the ``quantized_grouped_linear`` operator quantizes the rows itself (its
+  ``activation_group``, the block width b1, where b1 is a multiple of 16 or spans the row; other
+  widths go through ``dynamic_activations``, the same rule in PyTorch operators, first): the CPU
+  multiplies the dequantized operands in float32, CUDA the codes on the tensor cores with each
+  step's product scaled; float64 rows take ``dynamic_activations`` and float64 products.
 
 At decoding sizes the same experts run in one call of tutel's ``decode_quantized_experts``
 operator (``decode_quantized_products``), which streams each chosen expert's packed codes once and
@@ -34,10 +38,10 @@ relu it recognises, no gate stack of its own), tutel.rules.paths may choose it.
 
 The CPU and CUDA devices compute (``DEVICES``; the stacks, the biases and the rows on one device).
 On CUDA both operators run their CUDA kernels and nothing is read back to the host: the group ends
-stay an int32 tensor on the device, and W8A8's activation quantization is a few elementwise
-PyTorch operators.  float64 rows run on the CPU only (their path dequantizes one expert's matrix at
-a time in a loop on the host): on CUDA they are refused with a TypeError, and no call dequantizes a
-whole stack on a GPU.  Nothing here records gradients (quantized experts run inference only; the
+stay an int32 tensor on the device, and W8A8's activation quantization runs inside each product's
+launch (the operator's ``activation_group``).  float64 rows run on the CPU only (their path
+dequantizes one expert's matrix at a time in a loop on the host): on CUDA they are refused with a
+TypeError, and no call dequantizes a whole stack on a GPU.  Nothing here records gradients (quantized experts run inference only; the
 callers refuse calls that would).
 """
 import weakref
@@ -47,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
+from ..quant.activations import dynamic_activations
 from ..quant.codes import FLOAT8_E8M0FNU
 from .backend import operators_for
 from .gated_units import GatedUnit, apply_gated_unit, apply_gated_unit_pair, unit_scalars
@@ -61,12 +66,6 @@ DEVICES = ("cpu", "cuda")
 #: The rows' dtypes each device type computes (float64 dequantizes expert by expert on the host).
 ROW_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
               "cuda": (torch.float32, torch.bfloat16, torch.float16)}
-
-# E4M3's largest magnitude, and the smallest activation scale divided by (transformers' kernels
-# floor it so; an all-zero group then gives zero codes).
-_E4M3_MAX = 448.0
-_SMALLEST_ACTIVATION_SCALE = 1e-12
-
 
 def require_device(device: torch.device, what: str) -> None:
     """NotImplementedError unless `device` is one of DEVICES (the CPU or a CUDA device)."""
@@ -151,29 +150,6 @@ def dequantize_expert(stack: QuantizedWeights, expert: int, dtype: torch.dtype) 
     if full * block_columns < columns:  # the partial last block column
         matrix[:, full * block_columns:].mul_(scales[:, full:])
     return matrix
-
-
-def dynamic_activations(values: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, K] activations quantized per row and per `group` columns to E4M3 with the float32 scale
-    amax / 448, returned dequantized (codes * scale) in `dtype` (see the module docstring).
-
-    Elementwise PyTorch operators only, no value read on the host (on CUDA: seven launches, one more
-    to widen 16-bit values, one more to pad a last partial group)."""
-    rows, columns = values.shape
-    groups = -(-columns // group)
-    if groups * group == columns:  # whole groups: no padding
-        wide = values if values.dtype == torch.float32 else values.float()
-    else:  # the last group padded with zeros, which change no group's largest magnitude
-        wide = values.new_zeros((rows, groups * group), dtype=torch.float32)
-        wide[:, :columns] = values
-    grouped = wide.reshape(rows, groups, group)
-    scale = torch.linalg.vector_norm(grouped, float("inf"), dim=2, keepdim=True).div_(_E4M3_MAX)  # amax / 448
-    # |value| / (amax / 448) exceeds 448 by rounding only (two roundings of 2^-24 each): E4M3's
-    # round-to-nearest takes it to 448 (the next code, 480, lies past the midpoint 464), so no clamp
-    # of the codes is needed for finite values.
-    codes = (grouped / scale.clamp(min=_SMALLEST_ACTIVATION_SCALE)).to(torch.float8_e4m3fn).to(dtype)
-    codes = codes.mul_(scale if dtype == torch.float32 else scale.to(dtype)).view(rows, groups * group)
-    return codes if groups * group == columns else codes[:, :columns]
 
 
 def _with_bias(product: torch.Tensor, bias: Optional[torch.Tensor], expert: int) -> torch.Tensor:
@@ -285,15 +261,30 @@ def _device_ends(ends: Union[Sequence[int], torch.Tensor], rows: torch.Tensor) -
 
 
 def _grouped_linear(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], stack: QuantizedWeights,
-                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+                    bias: Optional[torch.Tensor], activation_group: int = 0) -> torch.Tensor:
     """quantized_grouped_linear of checked arguments.  On the CPU its public wrapper (which checks
     the ends' values, reading them); on CUDA the operator itself, with the ends an int32 device
     tensor and the bias in float32 (what its kernel reads), so the call reads nothing back."""
     if rows.device.type == "cpu":
-        return quantized_grouped_linear(rows, ends, stack, bias)
+        return quantized_grouped_linear(rows, ends, stack, bias, activation_group)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    return torch.ops.tutel.quantized_grouped_linear(rows, _device_ends(ends, rows), *_stack_operands(stack), bias)
+    return torch.ops.tutel.quantized_grouped_linear(rows, _device_ends(ends, rows), *_stack_operands(stack), bias,
+                                                    activation_group)
+
+
+def _stack_product(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor], stack: QuantizedWeights,
+                   bias: Optional[torch.Tensor], dynamic: bool) -> torch.Tensor:
+    """One product of the experts, in rows' dtype (W8A8: float32 where the rows are quantized here).
+    W8A8 quantizes inside the operator (its activation_group: the block's width b1) where it takes
+    that width (a multiple of 16, or the whole row); other widths quantize with dynamic_activations
+    first, the same rule in PyTorch operators."""
+    if not dynamic:
+        return _grouped_linear(rows, ends, stack, bias)
+    group = stack.block[1]
+    if group % 16 == 0 or group >= stack.in_features:
+        return _grouped_linear(rows, ends, stack, bias, group)
+    return _grouped_linear(dynamic_activations(rows, group, torch.float32), ends, stack, bias)
 
 
 def _in_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -306,29 +297,27 @@ def _compiled_products(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tens
                        up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor]) -> torch.Tensor:
     """quantized_expert_products for float32 / bfloat16 / float16 rows: both products on tutel's
     quantized_grouped_linear operator, which decodes each expert's weights strip by strip as it
-    multiplies (W8A8: the activations quantized and dequantized first, then multiplied in float32
-    with the weights exact, which is the product of the dequantized operands).  On CUDA: the two
-    products (three with a gate stack apart), the unit, and W8A8's elementwise quantization; no
-    host synchronisation."""
+    multiplies (W8A8: the operator quantizes each product's input rows itself, per group of the
+    stack's block width, and multiplies the dequantized operands in float32 on the CPU; CUDA
+    quantizes inside its launch).  On CUDA: the two products (three with a gate stack apart) and
+    the unit; no host synchronisation."""
     dtype = rows.dtype
     if rows.device.type != "cpu" and not isinstance(ends, torch.Tensor):
         ends = _device_ends(ends, rows)  # (once for every product)
     with torch.no_grad():  # the stacks' float8 tensors may require grad; nothing here is differentiated
-        values = dynamic_activations(rows, up.block[1], torch.float32) if dynamic else rows
         if gate_weight is None:
-            hidden = _gated(_in_dtype(_grouped_linear(values, ends, up, up_bias), dtype), unit, gate_fn, activation)
+            hidden = _gated(_in_dtype(_stack_product(rows, ends, up, up_bias, dynamic), dtype), unit, gate_fn,
+                            activation)
         else:  # [gate | up]: the bias' halves with their stacks
             inner = up.out_features
             gate_bias, ups_bias = (None, None) if up_bias is None else (up_bias[:, :inner], up_bias[:, inner:])
-            gates = _grouped_linear(values, ends, gate_weight, gate_bias)
-            ups = _grouped_linear(values, ends, up, ups_bias)
+            gates = _stack_product(rows, ends, gate_weight, gate_bias, dynamic)
+            ups = _stack_product(rows, ends, up, ups_bias, dynamic)
             if unit is not None:  # the fused unit reads both products where they are (no concatenation)
                 hidden = apply_gated_unit_pair(_in_dtype(gates, dtype), _in_dtype(ups, dtype), unit)
             else:
                 hidden = _gated(_in_dtype(torch.cat((gates, ups), dim=1), dtype), None, gate_fn, activation)
-        if dynamic:
-            hidden = dynamic_activations(hidden, down.block[1], torch.float32)
-        out = _grouped_linear(hidden, ends, down, down_bias)
+        out = _stack_product(hidden, ends, down, down_bias, dynamic)
         return out if out.dtype == dtype else out.to(dtype)
 
 

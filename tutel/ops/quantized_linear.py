@@ -1,13 +1,21 @@
-"""Rows grouped by expert times a quantized expert stack, on the CPU: tutel's
+"""Rows grouped by expert times a quantized expert stack, on the CPU or a CUDA device: tutel's
 ``quantized_grouped_linear`` operator, the prefill products of quantized experts.
 
-``quantized_grouped_linear(rows, ends, stack, bias)`` is, for the rows of each expert e
-(``rows[ends[e-1]:ends[e]]``, the rows past the last end giving zeros),
+``quantized_grouped_linear(rows, ends, stack, bias, activation_group=0)`` is, for the rows of
+each expert e (``rows[ends[e-1]:ends[e]]``, the rows past the last end giving zeros),
 
     y[r] = rows[r] @ W[e]^T + bias[e]
 
 with W the ``tutel.quant`` stack (``Fp8BlockWeights``, ``Mxfp4Weights``, ``Nvfp4Weights``)
-dequantized as its format defines it, summed in float32.  No float copy of a matrix is ever made:
+dequantized as its format defines it, summed in float32.  With ``activation_group`` g > 0 (W8A8,
+block-FP8 stacks; g a multiple of 16 or at least K, usually the block's width b1) each row is
+first quantized per group of g columns (the last may be partial) to E4M3 with the float32 scale
+amax / 448, codes = E4M3 rounding (ties to even) of value / max(scale, 1e-12), and multiplied as
+codes * scale: ``tutel.quant.activations.dynamic_activations``' rule, bit for bit on the CPU
+(which quantizes into a float32 buffer and takes the float32 products below, whatever the rows'
+dtype); CUDA quantizes inside its one launch.
+
+On the CPU no float copy of a matrix is ever made:
 each work item (an expert and a strip of its outputs) decodes its strip into a small buffer of its
 thread, laid out as the multiplying kernel reads it, and multiplies all of the expert's rows with it.
 
@@ -18,6 +26,11 @@ thread, laid out as the multiplying kernel reads it, and multiplies all of the e
   into bfloat16 tiles, **each weight rounded to bfloat16** (as transformers' CPU path dequantizes
   FP8 weights to bfloat16; MXFP4 values are exact in bfloat16 unless tiny), and multiplied on AMX
   tiles.  Without AMX they take the float32 way above.
+
+On CUDA the operator is one launch on the tensor cores (csrc/ops/cuda): each block decodes a tile
+of codes into shared memory; 16-bit rows are multiplied as they are, float32 rows as three bfloat16
+parts.  There the ends stay on the device (their values are never read back, so they are not
+checked: the kernel reads their running maximum clamped to [0, n]).
 
 Inference only: there is no backward.
 """
@@ -61,37 +74,60 @@ def _stack_arguments(stack: QuantizedWeights) -> tuple:
 
 
 def _checked_ends(ends: Union[torch.Tensor, Sequence[int]], experts: int, rows: torch.Tensor) -> torch.Tensor:
+    """The ends as a tensor on the rows' device, their dtype, shape and device checked; on the CPU
+    their values too (on CUDA that would read them back to the host)."""
     if not isinstance(ends, torch.Tensor):
         if not isinstance(ends, (list, tuple)) or not all(isinstance(e, int) and not isinstance(e, bool)
                                                           for e in ends):
             raise TypeError(f"{_WHERE}: `ends` must be an int32 / int64 tensor or a sequence of ints, "
                             f"got {type(ends).__name__}")
-        ends = torch.tensor(list(ends), dtype=torch.int64)
+        ends = torch.tensor(list(ends), dtype=torch.int64 if rows.device.type == "cpu" else torch.int32,
+                            device=rows.device)
     if ends.dtype not in END_DTYPES:
         raise TypeError(f"{_WHERE}: `ends` must be int32 or int64, got {ends.dtype}")
     if tuple(ends.shape) != (experts,):
         raise ValueError(f"{_WHERE}: `ends` must be [{experts}], one end per expert of `stack`, got shape "
                          f"{list(ends.shape)}")
     same_device(rows, ends, "ends", _WHERE)
-    if experts and ((ends[0] < 0) | (ends[-1] > rows.shape[0]) | (ends[1:] < ends[:-1]).any()).item():
+    if rows.device.type == "cpu" and experts and \
+            ((ends[0] < 0) | (ends[-1] > rows.shape[0]) | (ends[1:] < ends[:-1]).any()).item():
         raise ValueError(f"{_WHERE}: `ends` must be non-decreasing within [0, {rows.shape[0]}] (the rows of "
                          f"`rows`), got {ends.tolist()}")
     return ends
 
 
+def _check_activation_group(group: object, format: str, features: int) -> None:
+    """TypeError / ValueError unless `group` is 0 or, for fp8_block, a multiple of 16 or at least K."""
+    if not isinstance(group, int) or isinstance(group, bool):
+        raise TypeError(f"{_WHERE}: `activation_group` must be an int, got {type(group).__name__}")
+    if group < 0:
+        raise ValueError(f"{_WHERE}: `activation_group` must be 0 (weight-only) or a positive group width, got "
+                         f"{group}")
+    if group and format != "fp8_block":
+        raise ValueError(f"{_WHERE}: `activation_group` = {group} (W8A8 activations) needs an Fp8BlockWeights "
+                         f"stack, got {format}")
+    if group and group % 16 and group < features:
+        raise ValueError(f"{_WHERE}: `activation_group` must be a multiple of 16 or at least K = {features} (one "
+                         f"group a row), got {group}")
+
+
 def quantized_grouped_linear(rows: torch.Tensor, ends: Union[torch.Tensor, Sequence[int]], stack: QuantizedWeights,
-                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The products of rows grouped by expert with a quantized stack, for inference on the CPU (see
-    the module docstring for the rounding of each dtype).
+                             bias: Optional[torch.Tensor] = None, activation_group: int = 0) -> torch.Tensor:
+    """The products of rows grouped by expert with a quantized stack, for inference on the CPU or a
+    CUDA device (see the module docstring for the rounding of each dtype).
 
     Args:
-        rows: [n, K] rows, float32, bfloat16 or float16, on the CPU; expert e's are
-            rows[ends[e-1]:ends[e]] (ends[-1] = 0).
-        ends: [E] non-decreasing end of each expert's rows, within [0, n]: an int32 / int64 CPU
-            tensor or a sequence of ints.  Rows past the last end give zeros.
+        rows: [n, K] rows, float32, bfloat16 or float16, on the CPU or a CUDA device; expert e's
+            are rows[ends[e-1]:ends[e]] (ends[-1] = 0).
+        ends: [E] non-decreasing end of each expert's rows, within [0, n]: an int32 / int64
+            tensor on the rows' device or a sequence of ints.  Rows past the last end give zeros.
+            On CUDA their values are not checked (that would read them back to the host).
         stack: a tutel.quant stack of E matrices [N, K] (``Fp8BlockWeights``, ``Mxfp4Weights``,
-            ``Nvfp4Weights``) on the CPU.
+            ``Nvfp4Weights``) on the rows' device.
         bias: [E, N] of any floating dtype (taken as float32), or None.
+        activation_group: 0 (the rows as they are), or W8A8's group width g (``Fp8BlockWeights``
+            only; a multiple of 16 or at least K): the rows quantized per group of g columns first
+            (see the module docstring).
 
     Returns:
         [n, N] in rows' dtype.
@@ -105,16 +141,18 @@ def quantized_grouped_linear(rows: torch.Tensor, ends: Union[torch.Tensor, Seque
     if rows.dtype not in ROW_DTYPES:
         raise TypeError(f"{_WHERE}: `rows` must be float32, bfloat16 or float16, got {rows.dtype}")
     require_dim(rows, 2, "rows", _WHERE)
-    if rows.device.type != "cpu":
-        raise ValueError(f"{_WHERE}: runs on the CPU, but `rows` is on {rows.device}")
+    if rows.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_WHERE}: runs on the CPU and CUDA devices, but `rows` is on {rows.device}")
     format, codes, scales, global_scale, block = _stack_arguments(stack)
-    if stack.device.type != "cpu":
-        raise ValueError(f"{_WHERE}: runs on the CPU, but `stack` is on {stack.device}")
+    if stack.device != rows.device:
+        raise ValueError(f"{_WHERE}: `stack` is on {stack.device} but `rows` on {rows.device}; they must lie on "
+                         f"one device")
     experts, outputs, features = stack.shape
     if rows.shape[1] != features:
         raise ValueError(f"{_WHERE}: `rows` {list(rows.shape)} must have the {features} features of `stack` "
                          f"{list(stack.shape)} (experts, out_features, in_features)")
     ends = _checked_ends(ends, experts, rows)
+    _check_activation_group(activation_group, format, features)
     if bias is not None:
         require_floating(bias, "bias", _WHERE)
         if tuple(bias.shape) != (experts, outputs):
@@ -123,7 +161,8 @@ def quantized_grouped_linear(rows: torch.Tensor, ends: Union[torch.Tensor, Seque
     if torch.is_grad_enabled() and (rows.requires_grad or (bias is not None and bias.requires_grad)):
         raise RuntimeError(f"{_WHERE} is for inference and has no backward, but an input requires a gradient: "
                            "call it under torch.no_grad() or torch.inference_mode()")
-    return torch.ops.tutel.quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias)
+    return torch.ops.tutel.quantized_grouped_linear(rows, ends, format, codes, scales, global_scale, block, bias,
+                                                    activation_group)
 
 
 __all__ = ["quantized_grouped_linear", "quantized_linear_kernel_sets", "quantized_linear_kernels",

@@ -431,8 +431,9 @@ def _quantized_linear_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
     """quantized_grouped_linear over the routed rows grouped by expert (T k rows, random ends with
     idle experts and rows past the last expert's) in every rows dtype, the three formats in turn:
     rows of whole and partial depth tiles, fp8_block with partial 128 x 128 blocks (K not a
-    multiple of 16) and with blocks 24 wide (steps split at block boundaries); int32 and int64
-    ends, a float32 bias or none; N = model_dim + 3 (odd where model_dim is even)."""
+    multiple of 16) and with blocks 24 wide (steps split at block boundaries), the first also with
+    W8A8 activations (activation_group 128); int32 and int64 ends, a float32 bias or none;
+    N = model_dim + 3 (odd where model_dim is even)."""
     rows = s.tokens * s.k
     outputs = s.model_dim + 3
     for number, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
@@ -452,6 +453,11 @@ def _quantized_linear_cases(s: Sizes, g: torch.Generator) -> Iterator[Case]:
                                           f"experts={s.experts} K={depth} N={outputs} block={block} "
                                           f"ends={str(ends.dtype).replace('torch.', '')}",
                        (x, ends, format, codes, scales, global_scale, block, bias))
+            if format == "fp8_block" and form == 0:  # W8A8: the rows quantized per 128 columns (the last 72)
+                yield Case(_QUANTIZED_LINEAR, f"{str(dtype).replace('torch.', '')} fp8_block W8A8 rows={rows} "
+                                              f"experts={s.experts} K={depth} N={outputs} block={block} "
+                                              f"activation_group=128",
+                           (x, ends, format, codes, scales, global_scale, block, bias, 128))
 
 
 def _to(value, device: torch.device, keep_layout: bool = False):

@@ -2,7 +2,9 @@
 // gemm/quantized_products.h: the tile products for bfloat16 rows where the CPU has AMX, the float
 // products otherwise (16-bit rows widened to float32 first and the results rounded back), with the
 // kernels in force: the widest this CPU runs, unless tutel._C._set_quantized_linear_kernels chose
-// others (as the tests do, to check every kernel set this CPU has).
+// others (as the tests do, to check every kernel set this CPU has).  W8A8 (activation_group > 0):
+// the grouped rows quantized and dequantized into a float32 buffer first (core/activation_quant.h,
+// in parallel over the rows), then the float products, whatever the rows' dtype.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
@@ -12,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../../core/activation_quant.h"
 #include "../../gemm/quantized_products.h"
 #include "../core_types.h"
 #include "../quantized_grouped_linear_args.h"
@@ -75,18 +78,47 @@ gemm::QuantizedGroupedProducts<T> products_of(const QuantizedGroupedLinearArgs& 
   return call;
 }
 
+// W8A8: the first `grouped` rows quantized per row and group of a.activation_group columns and
+// dequantized, float32 [grouped, K] contiguous.
+at::Tensor quantized_activations(const QuantizedGroupedLinearArgs& a, int64_t grouped) {
+  const int64_t cols = a.rows.size(1), stride = grouped > 1 ? a.rows.stride(0) : cols;
+  at::Tensor x = at::empty({grouped, cols}, a.rows.options().dtype(at::kFloat));
+  float* out = x.data_ptr<float>();
+  switch (a.rows.scalar_type()) {
+    case at::kFloat:
+      core::dynamic_activations(a.rows.data_ptr<float>(), stride, grouped, cols, a.activation_group, out);
+      break;
+    case at::kBFloat16:
+      core::dynamic_activations(reinterpret_cast<const core::bfloat16*>(a.rows.data_ptr()), stride, grouped, cols,
+                                a.activation_group, out);
+      break;
+    default:
+      core::dynamic_activations(reinterpret_cast<const core::float16*>(a.rows.data_ptr()), stride, grouped, cols,
+                                a.activation_group, out);
+  }
+  return x;
+}
+
 at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor& ends, c10::string_view format,
                                         const at::Tensor& codes, const at::Tensor& scales,
                                         const c10::optional<at::Tensor>& global_scale, at::IntArrayRef block,
-                                        const c10::optional<at::Tensor>& bias) {
+                                        const c10::optional<at::Tensor>& bias, int64_t activation_group) {
   RECORD_FUNCTION("tutel::quantized_grouped_linear", c10::ArrayRef<c10::IValue>({}));
-  const QuantizedGroupedLinearArgs a =
-      quantized_grouped_linear_args(rows, ends, std::string(format), codes, scales, global_scale, block, bias);
+  const QuantizedGroupedLinearArgs a = quantized_grouped_linear_args(
+      rows, ends, std::string(format), codes, scales, global_scale, block, bias, activation_group);
   const int64_t n = rows.size(0), outputs = a.stack.rows, grouped = a.offsets.back();
   at::Tensor out = at::empty({n, outputs}, rows.options());
   if (n == 0 || outputs == 0) return out;
   if (grouped < n) out.narrow(0, grouped, n - grouped).zero_();  // the rows of no expert
   if (grouped == 0) return out;
+  if (a.activation_group > 0) {
+    const bool wide = rows.scalar_type() == at::kFloat;
+    const at::Tensor x = quantized_activations(a, grouped);
+    at::Tensor y = wide ? out : at::empty({grouped, outputs}, rows.options().dtype(at::kFloat));
+    gemm::quantized_float_products(products_of<float>(a, x, y), strip_kernels_in_force());
+    if (!wide) out.narrow(0, 0, grouped).copy_(y);
+    return out;
+  }
   if (rows.scalar_type() == at::kBFloat16 && set_in_force() == kTiles) {
     gemm::quantized_tile_products(products_of<core::bfloat16>(a, a.rows, out));
     return out;

@@ -5,7 +5,8 @@
 // order are not reported, as the CPU operator does, since that would need them on the host), and
 // the grid comes from the shapes.  Contiguous int32 ends, float32 (or no) bias and, for fp8_block,
 // float32 scales are read as they are; int64 ends, a bias of another dtype and other fp8_block
-// scales cost one conversion launch each before the kernel.
+// scales cost one conversion launch each before the kernel.  W8A8 (activation_group > 0) quantizes
+// the rows inside the same launch.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -39,9 +40,10 @@ TutelQuantMatrix matrix_of(const QuantizedGroupedLinearArgs& a) {
 at::Tensor quantized_grouped_linear_cuda(const at::Tensor& rows, const at::Tensor& ends, c10::string_view format,
                                          const at::Tensor& codes, const at::Tensor& scales,
                                          const c10::optional<at::Tensor>& global_scale, at::IntArrayRef block,
-                                         const c10::optional<at::Tensor>& bias) {
-  const QuantizedGroupedLinearArgs a = quantized_grouped_linear_args(
-      rows, ends, std::string(format), codes, scales, global_scale, block, bias, /*read_ends=*/false);
+                                         const c10::optional<at::Tensor>& bias, int64_t activation_group) {
+  const QuantizedGroupedLinearArgs a =
+      quantized_grouped_linear_args(rows, ends, std::string(format), codes, scales, global_scale, block, bias,
+                                    activation_group, /*read_ends=*/false);
   CudaOpScope scope(a.rows);
   const int64_t n = a.rows.size(0), outputs = a.stack.rows;
   at::Tensor out = at::empty({n, outputs}, a.rows.options());
@@ -58,7 +60,7 @@ at::Tensor quantized_grouped_linear_cuda(const at::Tensor& rows, const at::Tenso
   cuda::launch_kernel(kernel, cuda::plan_quantized_grouped_linear(n, experts, outputs), scope.stream(),
                       "quantized_grouped_linear", input_ptr(a.rows), row_stride,
                       static_cast<const int*>(input_ptr(ends32)), n, experts, matrix, input_ptr(a.bias),
-                      output_ptr(out));
+                      output_ptr(out), a.activation_group);
   return out;
 }
 

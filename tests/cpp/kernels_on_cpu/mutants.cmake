@@ -115,6 +115,22 @@ tutel_kernel_mutant(quantized_grouped_linear fp8_block_scale_of_next_step TUTEL_
 tutel_kernel_mutant(quantized_grouped_linear nvfp4_without_global_scale TUTEL_DTYPE_FLOAT32
   "if (FORMAT == TUTEL_QUANT_NVFP4) v = v * global;"
   "")
+# W8A8 (activation_group > 0): the activation scale amax / 240 instead of amax / 448 (E4M3's largest
+# magnitude), each step's group found one step ahead (the group index off by one step), the
+# activation scales of fragment rows g and g + 8 exchanged, and E4M3 rounding ties away from zero
+# (quant_codes.cuh: the E4M3 table test and the products catch it).
+tutel_kernel_mutant(quantized_grouped_linear w8a8_scale_over_240 TUTEL_DTYPE_FLOAT16
+  "row_group_amax(rows, row_stride, tile, begin, end, rows_vector) / 448.0f;"
+  "row_group_amax(rows, row_stride, tile, begin, end, rows_vector) / 240.0f;")
+tutel_kernel_mutant(quantized_grouped_linear w8a8_group_of_next_step TUTEL_DTYPE_BFLOAT16
+  "const i64 group = k / activation_group;"
+  "const i64 group = (k + 16) / activation_group;")
+tutel_kernel_mutant(quantized_grouped_linear w8a8_row_scales_swapped TUTEL_DTYPE_FLOAT32
+  "row_scale[0] = row_scales[s][row0 + g];\n          row_scale[1] = row_scales[s][row0 + g + 8];"
+  "row_scale[1] = row_scales[s][row0 + g];\n          row_scale[0] = row_scales[s][row0 + g + 8];")
+tutel_kernel_mutant(quantized_grouped_linear e4m3_ties_away TUTEL_DTYPE_BFLOAT16
+  "(magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) & 0xfff00000u"
+  "(magnitude + 0x80000u) & 0xfff00000u" quant_codes.cuh)
 tutel_kernel_mutant(quantized_grouped_linear mma_fragment_a1_a2_swapped TUTEL_DTYPE_FLOAT16
   "a[p][1] = a_tile[p][row0 + g + 8][8 * s + t];\n          a[p][2] = a_tile[p][row0 + g][8 * s + t + 4];"
   "a[p][2] = a_tile[p][row0 + g + 8][8 * s + t];\n          a[p][1] = a_tile[p][row0 + g][8 * s + t + 4];")

@@ -3,8 +3,9 @@
 weight-only and W8A8) and gpt-oss' MXFP4 experts (``use_mxfp4_experts``), at 1, 16 and 2048 tokens.
 Nothing is read back to the host (the fake mode raises where a value would be), "tutel" is found in
 the FP8 experts' own registry (no KeyError), and the launches are counted exactly, within the
-routed experts' budget for weight-only activations (W8A8's elementwise quantization lies past it:
-test_quantized_cuda_launches.py).  The values are tested on the CPU (test_transformers_fp8_experts.py,
+routed experts' budget (W8A8 quantizes inside the products' kernels where the block's width is a
+multiple of 16; other widths quantize with elementwise operators first, past the budget).  The
+values are tested on the CPU (test_transformers_fp8_experts.py,
 test_gpt_oss_mxfp4.py) and on a CUDA device by their tests marked so."""
 import pytest
 import torch
@@ -77,8 +78,9 @@ def test_fp8_experts_with_gate_and_up_apart_read_nothing_back(tokens):
 
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_fp8_experts_w8a8_quantize_the_activations_on_the_device(tokens):
-    """activation_scheme="dynamic" (FP8Experts' default): each product's input quantized per token
-    and block of columns by elementwise operators; no host read."""
+    """activation_scheme="dynamic" (FP8Experts' default) with blocks 8 wide, which the operator's
+    activation_group does not take: each product's input quantized per token and block of columns
+    by elementwise operators first; no host read."""
     experts = _fp8_experts("qwen3_moe", (5, 8), "dynamic")
     with fake_cuda() as mode, torch.no_grad():
         count = _trace(experts, tokens, 2, mode)
@@ -87,6 +89,17 @@ def test_fp8_experts_w8a8_quantize_the_activations_on_the_device(tokens):
     # H = 24 in groups of 8 (bfloat16 widened: 8 launches), I = 10 in groups of 8 (padded with zeros,
     # copied in widened: 9), and each product's float32 result rounded to bfloat16
     assert count.kernels == PREFILL_KERNELS + 8 + 9 + 2, count.operators
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fp8_experts_w8a8_with_128_wide_blocks_quantize_inside_the_products(tokens):
+    """DeepSeek-V3's activation_scheme="dynamic" over 128 x 128 blocks: quantized_grouped_linear
+    quantizes each product's input inside its launch (activation_group 128), so W8A8 takes the
+    weight-only launches (gate and up apart: three products)."""
+    experts = _fp8_experts("deepseek_v3", (128, 128), "dynamic")
+    with fake_cuda() as mode, torch.no_grad():
+        count = _trace(experts, tokens, 2, mode)
+    assert count.operators == APART and count.kernels == 8 <= EXPERTS_FORWARD_BUDGET
 
 
 def _gpt_oss_experts():

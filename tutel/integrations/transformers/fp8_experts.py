@@ -33,7 +33,8 @@ What is read, and from where:
   activations unquantized; "dynamic").
 
 The experts run on the CPU and on CUDA, where nothing is read back to the host (W8A8's activations
-are quantized by elementwise PyTorch operators on the device).  Tokens on another device than the
+are quantized inside the products' kernels, or by elementwise PyTorch operators on the device where
+the block's width is neither a multiple of 16 nor the whole row).  Tokens on another device than the
 module's tensors raise ValueError, float64 tokens on CUDA TypeError (their path runs on the CPU).
 Inference only: a call that autograd would record raises NotImplementedError saying what to do.
 """
