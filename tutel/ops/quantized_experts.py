@@ -55,7 +55,7 @@ from ..quant.activations import dynamic_activations
 from ..quant.codes import FLOAT8_E8M0FNU
 from .backend import operators_for
 from .gated_units import GatedUnit, apply_gated_unit, apply_gated_unit_pair, unit_scalars
-from .quantized_linear import quantized_grouped_linear
+from .quantized_linear import quantized_grouped_linear, stack_arguments
 
 WEIGHT_ONLY = "weight_only"
 DYNAMIC = "dynamic"
@@ -244,13 +244,6 @@ def _gated(hidden: torch.Tensor, unit: Optional[GatedUnit], gate_fn: Optional[Ca
     return activation(hidden)
 
 
-def _stack_operands(stack: QuantizedWeights) -> tuple:
-    """(format, codes, scales, global_scale, block) as quantized_grouped_linear takes a stack."""
-    codes, scales, global_scale = _stack_tensors(stack)
-    return (stack.format, codes, scales, global_scale,
-            list(stack.block) if isinstance(stack, Fp8BlockWeights) else [])
-
-
 def _device_ends(ends: Union[Sequence[int], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """The group ends as an int32 tensor on the rows' (CUDA) device, as its kernel reads them:
     converted there where they come in another form (nothing read back to the host)."""
@@ -269,7 +262,7 @@ def _grouped_linear(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor]
         return quantized_grouped_linear(rows, ends, stack, bias, activation_group)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    return torch.ops.tutel.quantized_grouped_linear(rows, _device_ends(ends, rows), *_stack_operands(stack), bias,
+    return torch.ops.tutel.quantized_grouped_linear(rows, _device_ends(ends, rows), *stack_arguments(stack), bias,
                                                     activation_group)
 
 

@@ -58,7 +58,7 @@ set_quantized_linear_kernels = _KERNEL_SETS.choose
 using_quantized_linear_kernels = _KERNEL_SETS.using
 
 
-def _stack_arguments(stack: QuantizedWeights) -> tuple:
+def stack_arguments(stack: QuantizedWeights) -> tuple:
     """(format, codes, scales, global_scale, block) as the operator takes them."""
     if isinstance(stack, Mxfp4Weights):
         return "mxfp4", stack.packed, stack.scales, None, []
@@ -143,7 +143,7 @@ def quantized_grouped_linear(rows: torch.Tensor, ends: Union[torch.Tensor, Seque
     require_dim(rows, 2, "rows", _WHERE)
     if rows.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{_WHERE}: runs on the CPU and CUDA devices, but `rows` is on {rows.device}")
-    format, codes, scales, global_scale, block = _stack_arguments(stack)
+    format, codes, scales, global_scale, block = stack_arguments(stack)
     if stack.device != rows.device:
         raise ValueError(f"{_WHERE}: `stack` is on {stack.device} but `rows` on {rows.device}; they must lie on "
                          f"one device")
