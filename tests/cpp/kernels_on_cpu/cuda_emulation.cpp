@@ -310,6 +310,13 @@ std::vector<Fiber>& fiber_pool(size_t threads) {
   return pool;
 }
 
+// Whether two sites are one line of one file.  The file names are __FILE__ literals, nearly always
+// one pointer per file, so the pointers are compared first: a strcmp on every warp operation is
+// costly under AddressSanitizer, which checks both strings at each call.
+bool same_site(const Site& a, const Site& b) {
+  return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0);
+}
+
 std::string describe(const Site& site) {
   std::ostringstream out;
   out << site.what << " at " << site.file << ":" << site.line;
@@ -675,7 +682,7 @@ void syncthreads(Site site) {
   if (b.exited > 0)
     fail("reached " + describe(site) + " after " + std::to_string(b.exited) +
          " threads of the block exited (divergent __syncthreads)");
-  if (b.at_barrier > 0 && (b.barrier_site.line != site.line || std::strcmp(b.barrier_site.file, site.file) != 0))
+  if (b.at_barrier > 0 && !same_site(b.barrier_site, site))
     fail("reached " + describe(site) + " while other threads wait at " + describe(b.barrier_site) +
          " (divergent __syncthreads)");
   const unsigned warp_base = self.coordinates.thread_idx.x & ~unsigned(kWarp - 1);
@@ -733,8 +740,7 @@ uint64_t warp_op(Site site, WarpOp op, unsigned mask, uint64_t value, int argume
       case State::kInWarpOp: {
         // A lane busy in another warp operation (another group of lanes, say)
         // may come here next; if it never can, the scheduler finds a deadlock.
-        const bool same_site = other.site.line == site.line && std::strcmp(other.site.file, site.file) == 0;
-        if (!same_site || other.op != op) {
+        if (!same_site(other.site, site) || other.op != op) {
           complete = false;
         } else if (other.mask != mask) {
           fail(describe(site) + " with mask " + std::to_string(mask) + " while lane " + std::to_string(i) +
