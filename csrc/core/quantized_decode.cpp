@@ -208,11 +208,11 @@ constexpr int64_t kOutputsPerItem = 16;
 // Rows read ahead of the kernels' loads.  Each pass reads its rows in order, an item's rows after
 // the previous item's on the same thread (parallel_for hands out consecutive items), and the
 // hardware prefetchers pick up such short streams late, so that without these prefetches a
-// thread's loads kept waiting on memory (benchmarks/quantized_decode_cpu.py measures the rate).
+// thread's loads kept waiting on memory (benchmarks/quantized_experts.py measures the step).
 constexpr int64_t kPrefetchRows = 8;
 
 template <class T>
-void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
+void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
                   const PassVectors& token_rows, float* h, int64_t h_stride) {
   const int64_t inter = call.inter;
   const bool gated = call.unit.activation == ExpertActivation::kGated;
@@ -261,7 +261,7 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernel
 }
 
 template <class T>
-void down_pass(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels, const ChoicePlan& plan,
+void down_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
                const PassVectors& h_rows, float* sums) {
   const int64_t outputs = call.outputs, tokens = call.tokens;
   const int64_t items = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
@@ -368,9 +368,9 @@ void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKer
     token_rows.dots = kernels.dots;
   }
   QuantizedDecodeCall<T> prefetched = call;
-  prefetched.gate_up.prefetch_bytes = prefetch_rows_ahead(call.gate_up, kPrefetchRows);
-  prefetched.down.prefetch_bytes = prefetch_rows_ahead(call.down, kPrefetchRows);
-  gate_up_pass(prefetched, kernels, plan, token_rows, h.data(), h_stride);
+  prefetched.gate_up = prefetching(call.gate_up, kPrefetchRows);
+  prefetched.down = prefetching(call.down, kPrefetchRows);
+  gate_up_pass(prefetched, plan, token_rows, h.data(), h_stride);
   if (bf16_tokens && takes_bf16(kernels, call.down)) {  // h is bfloat16 too
     h_bf16 = bf16_layout_rows(call.down, h.data(), int64_t(kept), call.inter, h_stride);
     h_rows.bf16_rows.resize(kept);
@@ -385,7 +385,7 @@ void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKer
     h_rows.dots = kernels.dots;
   }
   std::vector<float> sums(size_t(tokens * outputs));
-  down_pass(prefetched, kernels, plan, h_rows, sums.data());
+  down_pass(prefetched, plan, h_rows, sums.data());
 }
 
 template void decode_quantized_experts<float>(const QuantizedDecodeCall<float>&, const QuantKernels&);

@@ -44,8 +44,10 @@ struct QuantizedMatrix {
   // nvfp4: [E], each expert's scale of the whole matrix.
   const float* global_scales = nullptr;
   // How far past its loads a kernel prefetches the codes, in bytes (0: not at all): whole rows
-  // ahead, the rows the next calls read (see prefetch_rows_ahead).
+  // ahead, the rows the next calls read (see prefetching).
   int64_t prefetch_bytes = 0;
+  // The same rows ahead in the byte scales (0: not at all; see prefetch_row_scales).
+  int64_t prefetch_scale_bytes = 0;
 
   int64_t code_bytes_per_row() const { return format == QuantFormat::kFp8Block ? cols : cols / 2; }
   const uint8_t* row_codes(int64_t expert, int64_t row) const {
@@ -66,12 +68,29 @@ struct QuantizedMatrix {
   float global_scale(int64_t expert) const { return global_scales ? global_scales[expert] : 1.0f; }
 };
 
-// The prefetch distance of rows read one after another, `rows_ahead` rows on (at most 32 KiB).
-inline int64_t prefetch_rows_ahead(const QuantizedMatrix& m, int64_t rows_ahead) {
+// m with the prefetch distances of rows read one after another set `rows_ahead` rows on (at most
+// 32 KiB of codes; at least one row), or unset for rows_ahead 0.
+inline QuantizedMatrix prefetching(QuantizedMatrix m, int64_t rows_ahead) {
   const int64_t row_bytes = m.code_bytes_per_row();
-  if (row_bytes <= 0) return 0;
-  const int64_t rows = rows_ahead * row_bytes <= (32 << 10) ? rows_ahead : (32 << 10) / row_bytes;
-  return (rows < 1 ? 1 : rows) * row_bytes;
+  m.prefetch_bytes = m.prefetch_scale_bytes = 0;
+  if (rows_ahead <= 0 || row_bytes <= 0) return m;
+  int64_t rows = rows_ahead * row_bytes <= (32 << 10) ? rows_ahead : (32 << 10) / row_bytes;
+  rows = rows < 1 ? 1 : rows;
+  m.prefetch_bytes = rows * row_bytes;
+  if (m.byte_scales != nullptr) m.prefetch_scale_bytes = rows * m.scale_blocks_per_row();
+  return m;
+}
+
+// Asks for the byte scales of the row prefetch_scale_bytes past the row whose scales start at
+// `scales`, once per row.  The fp4 formats' scale rows are a stream of their own, a few dozen bytes
+// a row: too slow a stream for the hardware prefetchers, so that each new line of it kept the
+// kernels waiting on memory.
+inline void prefetch_row_scales(const QuantizedMatrix& m, const uint8_t* scales) {
+  if (m.prefetch_scale_bytes <= 0) return;
+  const uint8_t* const first = scales + m.prefetch_scale_bytes;
+  const int64_t count = m.scale_blocks_per_row();
+  for (int64_t at = 0; at < count; at += 64) __builtin_prefetch(first + at, 0, 3);
+  __builtin_prefetch(first + count - 1, 0, 3);  // the line of the last byte, where the row crosses one
 }
 
 // Vectors are padded with zeros to a multiple of this many floats (the widest kernels' lanes).

@@ -118,6 +118,7 @@ TUTEL_AVX2_FMA void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, const i
   for (int r = 0; r < R; ++r) {
     codes[r] = m.row_codes(expert, rows[r]);
     scales[r] = m.row_byte_scales(expert, rows[r]);
+    prefetch_row_scales(m, scales[r]);
   }
   Sums<R, V> sums;
   sums.clear();
@@ -146,6 +147,7 @@ TUTEL_AVX2_FMA void nvfp4_dots(const QuantizedMatrix& m, int64_t expert, const i
   for (int r = 0; r < R; ++r) {
     codes[r] = m.row_codes(expert, rows[r]);
     scales[r] = m.row_byte_scales(expert, rows[r]);
+    prefetch_row_scales(m, scales[r]);
   }
   Sums<R, V> sums;
   sums.clear();

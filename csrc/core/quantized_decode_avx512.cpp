@@ -88,6 +88,7 @@ TUTEL_AVX512_QUANT void mxfp4_dots(const QuantizedMatrix& m, int64_t expert, con
   for (int r = 0; r < R; ++r) {
     codes[r] = m.row_codes(expert, rows[r]);
     scales[r] = m.row_byte_scales(expert, rows[r]);
+    prefetch_row_scales(m, scales[r]);
   }
   Sums<R, V> sums;
   sums.clear();
@@ -123,6 +124,7 @@ TUTEL_AVX512_QUANT void nvfp4_dots(const QuantizedMatrix& m, int64_t expert, con
   for (int r = 0; r < R; ++r) {
     codes[r] = m.row_codes(expert, rows[r]);
     scales[r] = m.row_byte_scales(expert, rows[r]);
+    prefetch_row_scales(m, scales[r]);
   }
   Sums<R, V> sums;
   sums.clear();
@@ -326,6 +328,7 @@ TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert,
   for (int r = 0; r < R; ++r) {
     codes[r] = m.row_codes(expert, rows[r]);
     scales[r] = m.row_byte_scales(expert, rows[r]);
+    prefetch_row_scales(m, scales[r]);
   }
   Bf16Sums<R, V> sums;
   sums.clear();

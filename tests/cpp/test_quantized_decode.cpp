@@ -110,8 +110,8 @@ void check_kernels(const QuantKernels& kernels) {
     const int64_t experts = 3, rows = 7;
     RandomStack stack(c.format, experts, rows, c.cols, c.block_rows, c.block_cols, rng);
     const int64_t padded = (c.cols + kQuantVectorPadding - 1) / kQuantVectorPadding * kQuantVectorPadding;
-    for (int64_t prefetch : {int64_t(0), prefetch_rows_ahead(stack.m, 8)}) {
-      stack.m.prefetch_bytes = prefetch;
+    for (int64_t rows_ahead : {int64_t(0), int64_t(8)}) {
+      stack.m = prefetching(stack.m, rows_ahead);
       for (int count = 1; count <= 17; ++count) {
         // Each vector zero up to its padding, then NaN: a kernel reading past the padding gives NaN.
         const int64_t stride = padded + 16;
@@ -167,8 +167,8 @@ void check_bf16_kernels(const QuantKernels& kernels) {
     ASSERT_TRUE(bf16_takes(stack.m));
     const bool split = c.format == QuantFormat::kMxfp4;
     const int64_t width = (cols + kQuantBf16Round - 1) / kQuantBf16Round * kQuantBf16Round, half = kQuantBf16Round / 2;
-    for (int64_t prefetch : {int64_t(0), prefetch_rows_ahead(stack.m, 8)}) {
-      stack.m.prefetch_bytes = prefetch;
+    for (int64_t rows_ahead : {int64_t(0), int64_t(8)}) {
+      stack.m = prefetching(stack.m, rows_ahead);
       for (int count = 1; count <= 9; ++count) {
         // Element k of vector v: values[v][k], a bfloat16 value, placed as the layout says; zero
         // past cols.
