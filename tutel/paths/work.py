@@ -126,9 +126,11 @@ class QuantizedExperts:
 
     def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
-        projection in bytes as the products compute it (float32, float64 for float64 rows)."""
+        projection in bytes as the products compute it: in the rows' dtype (float32 for W8A8 whose
+        rows are quantized in PyTorch first, tutel.ops.quantized_experts._stack_product)."""
         width = self.up.out_features * (1 if self.gate_weight is None else 2)
-        return self, width * (8 if dtype == torch.float64 else 4)
+        size = dtype.itemsize
+        return self, width * (max(size, 4) if self.activations != WEIGHT_ONLY else size)
 
     def __call__(self, rows: torch.Tensor, plan, product: Optional[Callable] = None) -> torch.Tensor:
         """The rows past the plan's last group end give zeros; `product` is not taken (the products
