@@ -83,8 +83,7 @@ inline QuantizedMatrix prefetching(QuantizedMatrix m, int64_t rows_ahead) {
 
 // Asks for the byte scales of the row prefetch_scale_bytes past the row whose scales start at
 // `scales`, once per row.  The fp4 formats' scale rows are a stream of their own, a few dozen bytes
-// a row: too slow a stream for the hardware prefetchers, so that each new line of it kept the
-// kernels waiting on memory.
+// a row, too slow for the hardware prefetchers to follow, which the codes' prefetch does not cover.
 inline void prefetch_row_scales(const QuantizedMatrix& m, const uint8_t* scales) {
   if (m.prefetch_scale_bytes <= 0) return;
   const uint8_t* const first = scales + m.prefetch_scale_bytes;

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import quant_spec
 from tutel.experts import routed_quantized_experts
 from tutel.paths import facts
-from tutel.ops.gated_units import GatedUnit
+from tutel.ops.gated_units import SWIGLU, GatedUnit
 from tutel.ops.quantized_experts import dequantize_expert, quantized_expert_products, require_device
 from tutel.quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights
 from tutel.quant.codes import FLOAT8_E8M0FNU
@@ -231,6 +231,23 @@ def test_many_rows_run_in_pieces(monkeypatch):
     x, ids, weights = inputs(13, 4, torch.bfloat16, sentinels=True)
     y = routed_quantized_experts(x, ids, weights, up, down, gate="swiglu")
     assert_close_to(y, reference(x, ids, weights, up, down, torch.bfloat16, hidden_rule=swiglu), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,activations", [(torch.bfloat16, "weight_only"), (torch.float16, "weight_only"),
+                                               (torch.float32, "weight_only"), (torch.bfloat16, "dynamic")])
+def test_pieces_are_sized_by_the_up_projection_as_the_products_return_it(dtype, activations):
+    """The row bytes the pieces are cut by are one row's up projection as the operator's products
+    really return it: in the rows' dtype (weight-only), float32 where W8A8 quantizes the rows in
+    PyTorch first (a block width of no multiple of 16).  Counting 16-bit rows as float32 cut them
+    into twice the pieces they need."""
+    from tutel.ops.quantized_experts import _stack_product
+    from tutel.paths.work import QuantizedExperts
+    up = fp8(E, 2 * I, H, (16, 5), seed=23, gate_up_rows="concatenated")
+    down = fp8(E, H, I, (16, 5), seed=24)
+    rows = torch.randn(3, H, generator=torch.Generator().manual_seed(25), dtype=torch.float64).to(dtype)
+    projection = _stack_product(rows, [3] + [3] * (E - 1), up, None, activations == "dynamic")
+    row_bytes = QuantizedExperts(up, down, unit=SWIGLU, activations=activations).grouped_products(dtype)[1]
+    assert row_bytes == projection.shape[1] * projection.element_size()
 
 
 @pytest.mark.parametrize("stack", ["mxfp4", "nvfp4"])
