@@ -435,6 +435,18 @@ def test_a_layer_on_cuda_equals_the_float64_reference(kind, count):
                     torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_pieces_count_the_up_projection_as_the_products_return_it(dtype):
+    """The grouped paths cut pieces by one row's up projection in bytes: the [gate | up] values of a
+    row as the experts' products return them, in the rows' dtype (not float32 for 16-bit rows)."""
+    from tutel.ops.quantized_experts import _stack_product
+    layer, _ = packed_layer("swiglu_fused", "mxfp4", 4, 2)
+    up = layer.experts.stack("up")
+    rows = tokens(3, 64, dtype)
+    projection = _stack_product(rows, [3, 3, 3, 3], up, None, False)
+    assert layer.experts.grouped_products(None, dtype)[1] == projection.shape[1] * projection.element_size()
+
+
 def test_tokens_on_another_device_than_the_experts_are_refused():
     from torch._subclasses.fake_tensor import FakeTensorMode
     layer, _ = packed_layer("llama_apart", "mxfp4", 4, 2)

@@ -34,8 +34,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..ops.gated_units import SWIGLU, GatedUnit, check_unit, split_gate_up
-from ..ops.quantized_experts import (WEIGHT_ONLY, Float32Copies, check_activations, quantized_expert_products,
-                                     require_device, require_rows_dtype, require_same_device)
+from ..ops.quantized_experts import (WEIGHT_ONLY, Float32Copies, check_activations, projection_row_bytes,
+                                     quantized_expert_products, require_device, require_rows_dtype,
+                                     require_same_device)
 from ..quant import GateUpRows, QuantizedWeights
 from ._grouped import flatten_features, run_padded
 
@@ -316,14 +317,14 @@ class QuantizedSwiGLUExperts(torch.nn.Module):
     def grouped_products(self, ctx, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(run, row_bytes)`` for the grouped paths without autograd (tutel.paths): ``run(rows,
         plan)`` computes every grouped row's expert; `row_bytes` is one row's up projection as the
-        products compute it (float32, float64 for float64 rows)."""
+        products compute it (projection_row_bytes)."""
         width = self._templates["up"].out_features * (2 if "gate" in self._templates else 1)
 
         def run(rows: torch.Tensor, plan) -> torch.Tensor:
             self._check_call(rows, ctx)
             return self._products(rows, plan.offsets)
 
-        return run, width * (8 if dtype == torch.float64 else 4)
+        return run, projection_row_bytes(width, dtype, self.activations)
 
 
 ExpertModule = QuantizedSwiGLUExperts

@@ -280,6 +280,13 @@ def _stack_product(rows: torch.Tensor, ends: Union[Sequence[int], torch.Tensor],
     return _grouped_linear(dynamic_activations(rows, group, torch.float32), ends, stack, bias)
 
 
+def projection_row_bytes(width: int, dtype: torch.dtype, activations: str) -> int:
+    """Bytes of one row, `width` values wide, of a product quantized_expert_products computes for
+    rows of `dtype`: in the rows' dtype, or float32 (at least) under W8A8, whose rows PyTorch may
+    quantize to float32 first (_stack_product).  The grouped paths cut their pieces by it."""
+    return width * (dtype.itemsize if activations == WEIGHT_ONLY else max(dtype.itemsize, 4))
+
+
 def _in_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values if values.dtype == dtype else values.to(dtype)
 

@@ -9,7 +9,7 @@ import torch
 from ..ops.gated_units import SWIGLU, GatedUnit, apply_gated_unit
 from ..ops.grouped_mm import bias_costs_a_launch, grouped_rows_mm, grouped_rows_mm_eager
 from ..ops.quantized_experts import (WEIGHT_ONLY, QuantizedDecodeForm, decode_form, decode_quantized_products,
-                                     quantized_expert_products)
+                                     projection_row_bytes, quantized_expert_products)
 from ..ops.tracing import eager_without_grad
 
 
@@ -126,11 +126,9 @@ class QuantizedExperts:
 
     def grouped_products(self, dtype: torch.dtype) -> Tuple[Callable, int]:
         """``(products, row_bytes)``: the experts on grouped rows (this object), and one row's up
-        projection in bytes as the products compute it: in the rows' dtype (float32 for W8A8 whose
-        rows are quantized in PyTorch first, tutel.ops.quantized_experts._stack_product)."""
+        projection in bytes as the products compute it (projection_row_bytes)."""
         width = self.up.out_features * (1 if self.gate_weight is None else 2)
-        size = dtype.itemsize
-        return self, width * (max(size, 4) if self.activations != WEIGHT_ONLY else size)
+        return self, projection_row_bytes(width, dtype, self.activations)
 
     def __call__(self, rows: torch.Tensor, plan, product: Optional[Callable] = None) -> torch.Tensor:
         """The rows past the plan's last group end give zeros; `product` is not taken (the products
