@@ -116,10 +116,18 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
     }
   } else {
     std::fill(floats, floats + steps * 32, 0.0f);
+    // A step's lanes depend on its scale block alone: those of a block's first step are copied to
+    // its other steps (block_cols / 32 of them where it is a multiple of 32).
+    int64_t block_step = -1, block = -1;
     for (int64_t s = 0; s < steps; ++s) {
       const quantized_steps::Step step = quantized_steps::step_at(w, s * kInnerStep);
       if (step.crossing) {
         fast[s] = 0;
+        continue;
+      }
+      if (step.block == block) {
+        std::copy(floats + block_step * 32, floats + block_step * 32 + 32, floats + s * 32);
+        fast[s] = fast[block_step];
         continue;
       }
       for (int64_t n = 0; n < valid; ++n) {
@@ -127,6 +135,8 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
         floats[s * 32 + 16 * (n / 8) + 2 * (n % 8)] = floats[s * 32 + 16 * (n / 8) + 2 * (n % 8) + 1] = scale;
         if (!keeps_normal(scale, 0x1p-109f)) fast[s] = 0;  // the least nonzero E4M3 is 2^-9, taken as 2^-17
       }
+      block_step = s;
+      block = step.block;
     }
   }
 }

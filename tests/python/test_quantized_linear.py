@@ -113,9 +113,11 @@ def test_every_kernel_set(kernels, format, dtype):
 
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize("block, scale_dtype", [((3, 48), torch.float32), ((128, 128), torch.bfloat16),
-                                                ((1, 16), torch.float32), ((64, 200), torch.bfloat16)])
+                                                ((1, 16), torch.float32), ((64, 200), torch.bfloat16),
+                                                ((5, 64), torch.float32)])
 def test_fp8_blocks_of_every_shape(kernels, block, scale_dtype):
-    # 48- and 16-wide blocks cross the kernels' 32-value steps; 200 is the whole row.
+    # 48- and 16-wide blocks cross the kernels' 32-value steps; 200 is the whole row; 64-wide blocks
+    # of 5 rows span two steps each with scales that differ within 16 rows.
     stack = make_stack("fp8_block", 2, 37, 200, seed=9, block=block, scale_dtype=scale_dtype)
     x = torch.randn(40, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     ends = torch.tensor([15, 40])
