@@ -245,7 +245,7 @@ def test_pieces_are_sized_by_the_up_projection_as_the_products_return_it(dtype, 
     up = fp8(E, 2 * I, H, (16, 5), seed=23, gate_up_rows="concatenated")
     down = fp8(E, H, I, (16, 5), seed=24)
     rows = torch.randn(3, H, generator=torch.Generator().manual_seed(25), dtype=torch.float64).to(dtype)
-    projection = _stack_product(rows, [3] + [3] * (E - 1), up, None, activations == "dynamic")
+    projection = _stack_product(rows, [3] * E, up, None, activations == "dynamic")
     row_bytes = QuantizedExperts(up, down, unit=SWIGLU, activations=activations).grouped_products(dtype)[1]
     assert row_bytes == projection.shape[1] * projection.element_size()
 
