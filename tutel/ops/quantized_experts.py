@@ -52,7 +52,6 @@ import torch.nn.functional as F
 
 from ..quant import Fp8BlockWeights, Mxfp4Weights, Nvfp4Weights, QuantizedWeights
 from ..quant.activations import dynamic_activations
-from ..quant.codes import FLOAT8_E8M0FNU
 from .backend import operators_for
 from .gated_units import GatedUnit, apply_gated_unit, apply_gated_unit_pair, unit_scalars
 from .quantized_linear import quantized_grouped_linear, stack_arguments
@@ -479,17 +478,6 @@ def decode_form(up: QuantizedWeights, down: QuantizedWeights, gate_weight: Optio
     return QuantizedDecodeForm(up.format, unit_arguments, block)
 
 
-def _stack_tensors(stack: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(codes, scales, per-expert scales or None) of a stack as the decode operator reads them."""
-    if isinstance(stack, Fp8BlockWeights):
-        scales = stack.scale_inv
-        # E8M0 exponents as their float32 values (exact), as the operator reads fp8_block scales
-        return stack.weight, (scales.float() if scales.dtype == FLOAT8_E8M0FNU else scales), None
-    if isinstance(stack, Mxfp4Weights):
-        return stack.packed, stack.scales, None
-    return stack.packed, stack.block_scales, stack.global_scales
-
-
 def decode_quantized_products(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor],
                               up: QuantizedWeights, down: QuantizedWeights, form: QuantizedDecodeForm,
                               up_bias: Optional[torch.Tensor] = None,
@@ -510,8 +498,8 @@ def decode_quantized_products(x: torch.Tensor, expert_ids: torch.Tensor, weights
         up_bias = up_bias.float()
     if down_bias is not None and down_bias.dtype != torch.float32:
         down_bias = down_bias.float()
-    gate_up, gate_up_scales, gate_up_global = _stack_tensors(up)
-    down_codes, down_scales, down_global = _stack_tensors(down)
+    _, gate_up, gate_up_scales, gate_up_global, _ = stack_arguments(up)
+    _, down_codes, down_scales, down_global, _ = stack_arguments(down)
     operator = torch.ops.tutel.decode_quantized_experts if x.device.type == "cpu" else \
         operators_for(x.device).decode_quantized_experts
     return operator(
