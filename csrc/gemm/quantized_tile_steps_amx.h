@@ -10,8 +10,11 @@
 //   nonzero value stays a normal bfloat16 (2 <= s <= 252);
 // * nvfp4: the codes index the float32 table, times the block's float32 factor (scale * global)
 //   per lane, both halves rounded to bfloat16 by one conversion and put in pair order;
-// * fp8_block: the E4M3 bytes become float16 bits (quant_codes_avx512.h's way), float32, times the
-//   block's scale (times 256, as decode_step takes it) per lane, rounded to bfloat16 pairs.
+// * fp8_block, where the 16 rows share the step's scale s (a block row holds whole tiles): each code
+//   looks up bfloat16(E4M3 magnitude * s) in a 128-entry table built once per scale block (two byte
+//   permutes, the low and the high bytes), and takes the code's sign;
+// * fp8_block otherwise: the E4M3 bytes become float16 bits (quant_codes_avx512.h's way), float32,
+//   times the block's scale (times 256, as decode_step takes it) per lane, rounded to bfloat16 pairs.
 //
 // Each step's per-lane constants (tile rows' scale terms) come from the caller, which also says for
 // which steps these give the bits the transposed decode_step does (quantized_steps_avx512.h then
@@ -56,11 +59,14 @@ struct Shuffles {
   // fp8 (16 rows x 32 code bytes, rows 2 q, 2 q + 1 in source q), in byte pairs (one tile row's pair):
   // pairs_1[h]: rows 0..3 of sources (2 a, 2 a + 1), pairs 8 h .. 8 h + 7, byte 2 (4 c + r) + odd;
   // pairs_2[g]: rows 0..7 of two of those, pairs 4 g .. 4 g + 3 of them, byte 2 (8 c + r) + odd;
-  // pairs_3[c]: pair c of 16 rows of two of those, row n's byte odd at byte 4 n + 2 odd + 1 (the
-  // high byte of 16-bit lane 2 n + odd).
+  // pairs_3[c]: pair c of 16 rows of two of those, row n's byte odd at bytes 4 n + 2 odd and
+  // 4 n + 2 odd + 1 (both bytes of 16-bit lane 2 n + odd).
   alignas(64) uint8_t pairs_1[2][64];
   alignas(64) uint8_t pairs_2[2][64];
   alignas(64) uint8_t pairs_3[4][64];
+  // The low (even) and the high (odd) bytes of 64 16-bit lanes in two registers.
+  alignas(64) uint8_t even_bytes[64];
+  alignas(64) uint8_t odd_bytes[64];
   // 16-bit lane 2 n takes lane n, lane 2 n + 1 lane 16 + n.
   alignas(64) uint16_t interleave[32];
   // The 16 E2M1 values' bfloat16 bits, twice (the 16-bit permute reads five index bits).
@@ -87,10 +93,13 @@ struct Shuffles {
             pairs_2[g][2 * (8 * c + r) + odd] = uint8_t(64 * (r / 4) + 2 * (4 * (4 * g + c) + r % 4) + odd);
     for (int c = 0; c < 4; ++c)
       for (int n = 0; n < 16; ++n)
-        for (int odd = 0; odd < 2; ++odd) {
-          pairs_3[c][4 * n + 2 * odd + 1] = uint8_t(64 * (n / 8) + 2 * (8 * c + n % 8) + odd);
-          pairs_3[c][4 * n + 2 * odd] = 0;
-        }
+        for (int odd = 0; odd < 2; ++odd)
+          pairs_3[c][4 * n + 2 * odd + 1] = pairs_3[c][4 * n + 2 * odd] =
+              uint8_t(64 * (n / 8) + 2 * (8 * c + n % 8) + odd);
+    for (int i = 0; i < 64; ++i) {
+      even_bytes[i] = uint8_t(2 * i);
+      odd_bytes[i] = uint8_t(2 * i + 1);
+    }
     for (int n = 0; n < 16; ++n) {
       interleave[2 * n] = uint16_t(n);
       interleave[2 * n + 1] = uint16_t(16 + n);
@@ -175,11 +184,11 @@ TUTEL_AMX_DECODE inline void nvfp4_step(const uint8_t* const* rows, int64_t offs
     for (int p = 8; p < 16; ++p) _mm512_store_si512(out.pairs + 16 * p, _mm512_setzero_si512());
 }
 
-// FP8 (E4M3): tile row p = code bytes 2 p, 2 p + 1 of the 16 rows (of `count` <= 32 from offset,
-// zero past it), times scales[0] (lanes 2 n + odd: row n's scale * 256, rows 0..7) and scales[1]
-// (rows 8..15), rounded to bfloat16.
-TUTEL_AMX_DECODE inline void fp8_step(const uint8_t* const* rows, int64_t offset, int count, const float* scales,
-                                      const Shuffles& sh, PackedTile& out) {
+// FP8's step (16 rows x `count` <= 32 code bytes from offset, zero past it) transposed in byte
+// pairs: with octets[c][h][g] and Shuffles::pairs_3[p % 4], tile row p = rows' code bytes 2 p, 2 p + 1
+// come out of octets[.][p / 8][p % 8 / 4].
+TUTEL_AMX_DECODE inline void fp8_octets(const uint8_t* const* rows, int64_t offset, int count, const Shuffles& sh,
+                                        __m512i (&octets)[2][2][2]) {
   const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1u);
   __m512i duos[8];
   for (int q = 0; q < 8; ++q) {
@@ -190,7 +199,7 @@ TUTEL_AMX_DECODE inline void fp8_step(const uint8_t* const* rows, int64_t offset
     }
     duos[q] = _mm512_inserti64x4(_mm512_castsi256_si512(r[0]), r[1], 1);
   }
-  __m512i quads[4][2], octets[2][2][2];
+  __m512i quads[4][2];
   for (int a = 0; a < 4; ++a)
     for (int h = 0; h < 2; ++h)
       quads[a][h] = _mm512_permutex2var_epi8(duos[2 * a], load64(sh.pairs_1[h]), duos[2 * a + 1]);
@@ -198,16 +207,64 @@ TUTEL_AMX_DECODE inline void fp8_step(const uint8_t* const* rows, int64_t offset
     for (int h = 0; h < 2; ++h)
       for (int g = 0; g < 2; ++g)
         octets[c][h][g] = _mm512_permutex2var_epi8(quads[2 * c][h], load64(sh.pairs_2[g]), quads[2 * c + 1][h]);
+}
+
+// Tile row p's codes: code bytes 2 p, 2 p + 1 of the 16 rows, each in both bytes of its 16-bit lane.
+TUTEL_AMX_DECODE inline __m512i fp8_pair_codes(const __m512i (&octets)[2][2][2], int p, const Shuffles& sh) {
+  return _mm512_permutex2var_epi8(octets[0][p / 8][p % 8 / 4], load64(sh.pairs_3[p % 4]), octets[1][p / 8][p % 8 / 4]);
+}
+
+// The bytes of fp8_table_step's table for scale s: [0, 128) the low and [128, 256) the high bytes of
+// bfloat16(E4M3 magnitude c * s) for c = 0..127 (`e4m3`: byte_tables().e4m3).  The products round
+// as decode_step's do where s * 256 keeps every nonzero one a normal float (the caller's check).
+TUTEL_AMX_DECODE inline void fp8_scaled_table(const float* e4m3, float scale, const Shuffles& sh, uint8_t* bytes) {
+  const __m512 s = _mm512_set1_ps(scale);
+  __m512i words[4];
+  for (int i = 0; i < 4; ++i)
+    words[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(e4m3 + 32 * i + 16), s),
+                                            _mm512_mul_ps(_mm512_loadu_ps(e4m3 + 32 * i), s));
+  for (int h = 0; h < 2; ++h) {
+    _mm512_storeu_si512(bytes + 64 * h, _mm512_permutex2var_epi8(words[2 * h], load64(sh.even_bytes), words[2 * h + 1]));
+    _mm512_storeu_si512(bytes + 128 + 64 * h,
+                        _mm512_permutex2var_epi8(words[2 * h], load64(sh.odd_bytes), words[2 * h + 1]));
+  }
+}
+
+// FP8 (E4M3), the 16 rows sharing one scale: tile row p = code bytes 2 p, 2 p + 1 of the 16 rows
+// (of `count` <= 32 from offset, zero past it) looked up in `table` (fp8_scaled_table), the code's
+// sign bit flipping the value's.  The byte permutes read seven index bits: the code without its sign.
+TUTEL_AMX_DECODE inline void fp8_table_step(const uint8_t* const* rows, int64_t offset, int count,
+                                            const uint8_t* table, const Shuffles& sh, PackedTile& out) {
+  __m512i octets[2][2][2];
+  fp8_octets(rows, offset, count, sh, octets);
+  const __m512i low[2] = {_mm512_loadu_si512(table), _mm512_loadu_si512(table + 64)};
+  const __m512i high[2] = {_mm512_loadu_si512(table + 128), _mm512_loadu_si512(table + 192)};
+  const __m512i sign = _mm512_set1_epi16(int16_t(0x8000));
+  for (int p = 0; p < 16; ++p) {
+    const __m512i codes = fp8_pair_codes(octets, p, sh);
+    // The high bytes looked up in place of the codes' high copies, then the low bytes in place of
+    // the low ones (each permute keeps the index bytes its mask leaves out).
+    const __m512i highs = _mm512_mask2_permutex2var_epi8(high[0], codes, __mmask64(0xaaaaaaaaaaaaaaaaull), high[1]);
+    const __m512i bits = _mm512_mask2_permutex2var_epi8(low[0], highs, __mmask64(0x5555555555555555ull), low[1]);
+    _mm512_store_si512(out.pairs + 16 * p, _mm512_ternarylogic_epi32(bits, codes, sign, 0x78));  // bits ^ (codes & sign)
+  }
+}
+
+// FP8 (E4M3), scales per lane: tile row p = code bytes 2 p, 2 p + 1 of the 16 rows (of `count` <= 32
+// from offset, zero past it), times scales[0] (lanes 2 n + odd: row n's scale * 256, rows 0..7) and
+// scales[1] (rows 8..15), rounded to bfloat16.
+TUTEL_AMX_DECODE inline void fp8_step(const uint8_t* const* rows, int64_t offset, int count, const float* scales,
+                                      const Shuffles& sh, PackedTile& out) {
+  __m512i octets[2][2][2];
+  fp8_octets(rows, offset, count, sh, octets);
   const __m512i sign_exponent_mantissa = _mm512_set1_epi16(int16_t(0xbf80)), all_ones = _mm512_set1_epi16(0x3f80);
   const __m512i nan_bits = _mm512_set1_epi16(0x7e00);
   const __m512 scale[2] = {_mm512_loadu_ps(scales), _mm512_loadu_ps(scales + 16)};
   for (int p = 0; p < 16; ++p) {
-    const int h = p / 8, g = p % 8 / 4;
-    // Each code byte in the high half of its 16-bit lane: as in avx512_codes::e4m3_32, shifted right
-    // by one with its sign repeated and bit 14 cleared it is the float16 of the value times 2^-8.
-    const __m512i high = _mm512_maskz_permutex2var_epi8(__mmask64(0xaaaaaaaaaaaaaaaaull), octets[0][h][g],
-                                                        load64(sh.pairs_3[p % 4]), octets[1][h][g]);
-    const __m512i halfs = _mm512_and_si512(_mm512_srai_epi16(high, 1), sign_exponent_mantissa);
+    // The code byte in the high half of its 16-bit lane: as in avx512_codes::e4m3_32, shifted right
+    // by one with its sign repeated and bit 14 cleared it is the float16 of the value times 2^-8
+    // (the mask also clears what the low half's copy leaves in bits 0..6).
+    const __m512i halfs = _mm512_and_si512(_mm512_srai_epi16(fp8_pair_codes(octets, p, sh), 1), sign_exponent_mantissa);
     const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(halfs, all_ones), all_ones);
     const __m512i bits = _mm512_mask_mov_epi16(halfs, nan, nan_bits);
     const __m512 first = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(bits)), scale[0]);

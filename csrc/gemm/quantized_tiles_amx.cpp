@@ -10,6 +10,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "../core/parallel.h"
@@ -61,21 +62,27 @@ inline bool keeps_normal(float f, float least_factor) {
   return a == 0.0f || (a >= least_factor && a <= std::numeric_limits<float>::max());
 }
 
+// How a step of a tile is decoded: transposed_step, a quantized_tile_steps function with the
+// step's per-lane constants, or (fp8_block) fp8_table_step with its scale block's table.
+enum StepWay : uint8_t { kSlowWay = 0, kLaneWay = 1, kTableWay = 2 };
+
 // The per-lane constants of each step of one tile (16 matrix rows) for quantized_tile_steps, and
-// whether the step may take them (else transposed_step decodes it): 32 words or floats a step.
+// each step's way (kSlowWay where the constants cannot give the slow way's bits): 32 words or
+// floats a step.
 //   mxfp4: the exponent term of each row's scale, when every scale keeps the values normal;
 //   nvfp4: lanes 0..15 the factors of the step's first block per row, 16..31 of its second;
 //   fp8_block: the scale times 256 of row j / 2 in lane j, of row 8 + j / 2 in lane 16 + j, when
-//     the step lies in one block.
+//     the step lies in one block; where the rows share that block's scale (kTableWay), also the
+//     block's table in block_tables (256 bytes per scale block of the row).
 // `scale_rows`: each row's scale bytes (the fp4 formats; rows past `valid` pointing at zeros).
 template <core::QuantFormat F>
 TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert, const core::ByteTables& tables,
                                  const quantized_steps::RowCursor* rows, const uint8_t* const* scale_rows, int64_t valid,
-                                 int64_t steps, uint32_t* words, float* floats, uint8_t* fast) {
+                                 int64_t steps, uint32_t* words, float* floats, uint8_t* block_tables, uint8_t* way) {
   using namespace quantized_tile_steps;
   const Shuffles& sh = shuffles();
   const __mmask16 valid_lanes = __mmask16((uint32_t(1) << valid) - 1u);
-  std::fill(fast, fast + steps, uint8_t(1));
+  std::fill(way, way + steps, uint8_t(kLaneWay));
   if (F == core::QuantFormat::kMxfp4) {  // one scale byte per step
     for (int64_t s0 = 0; s0 < steps; s0 += 16) {
       const int count = int(std::min<int64_t>(16, steps - s0));
@@ -89,7 +96,7 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
         // E2M1's nonzero values are 2^-1 .. 1.5 * 2^2: bfloat16 exponents 126 .. 129 before the add
         const __mmask16 extreme = _mm512_mask_cmplt_epi32_mask(valid_lanes, scale, _mm512_set1_epi32(2)) |
                                   _mm512_mask_cmpgt_epi32_mask(valid_lanes, scale, _mm512_set1_epi32(252));
-        if (extreme) fast[s0 + c] = 0;
+        if (extreme) way[s0 + c] = kSlowWay;
       }
     }
   } else if (F == core::QuantFormat::kNvfp4) {  // two scale bytes per step (one in a last half step)
@@ -111,7 +118,7 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
         const __mmask16 normal = _mm512_cmp_ps_mask(size, _mm512_setzero_ps(), _CMP_EQ_OQ) |
                                  (_mm512_cmp_ps_mask(size, least, _CMP_GE_OQ) &
                                   _mm512_cmp_ps_mask(size, most, _CMP_LE_OQ));
-        if (normal != 0xffff) fast[block / 2] = 0;
+        if (normal != 0xffff) way[block / 2] = kSlowWay;
       }
     }
   } else {
@@ -122,18 +129,25 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
     for (int64_t s = 0; s < steps; ++s) {
       const quantized_steps::Step step = quantized_steps::step_at(w, s * kInnerStep);
       if (step.crossing) {
-        fast[s] = 0;
+        way[s] = kSlowWay;
         continue;
       }
       if (step.block == block) {
         std::copy(floats + block_step * 32, floats + block_step * 32 + 32, floats + s * 32);
-        fast[s] = fast[block_step];
+        way[s] = way[block_step];
         continue;
       }
+      const float shared = rows[0].float_scales[step.block];
+      bool uniform = true;
       for (int64_t n = 0; n < valid; ++n) {
         const float scale = rows[n].float_scales[step.block] * 256.0f;
         floats[s * 32 + 16 * (n / 8) + 2 * (n % 8)] = floats[s * 32 + 16 * (n / 8) + 2 * (n % 8) + 1] = scale;
-        if (!keeps_normal(scale, 0x1p-109f)) fast[s] = 0;  // the least nonzero E4M3 is 2^-9, taken as 2^-17
+        if (!keeps_normal(scale, 0x1p-109f)) way[s] = kSlowWay;  // the least nonzero E4M3 is 2^-9, taken as 2^-17
+        uniform = uniform && std::memcmp(&rows[n].float_scales[step.block], &shared, sizeof(float)) == 0;
+      }
+      if (way[s] == kLaneWay && uniform) {
+        way[s] = kTableWay;
+        fp8_scaled_table(tables.e4m3, shared, sh, block_tables + step.block * 256);
       }
       block_step = s;
       block = step.block;
@@ -154,16 +168,21 @@ TUTEL_AMX_DECODE void decode_matrix_tiles_of(const core::QuantizedMatrix& w, int
   const int64_t steps = inner_steps(w.cols);
   const int64_t row_bytes = w.code_bytes_per_row(), step_bytes = F == core::QuantFormat::kFp8Block ? 32 : 16;
   constexpr int64_t kPrefetchBytes = 512;
-  // The tile's per-lane constants, kept per thread between calls.
+  // The tile's per-lane constants and tables, kept per thread between calls.
   static thread_local std::vector<uint32_t> words;
   static thread_local std::vector<float> floats;
-  static thread_local std::vector<uint8_t> fast;
+  static thread_local std::vector<uint8_t> block_tables;
+  static thread_local std::vector<uint8_t> way;
   // What rows past the matrix read: zeros, as long as a row's codes or scales.
   static thread_local std::vector<uint8_t> zeros;
-  if (fast.size() < size_t(steps)) {
+  if (way.size() < size_t(steps)) {
     words.resize(size_t(steps * 32));
     floats.resize(size_t(steps * 32));
-    fast.resize(size_t(steps));
+    way.resize(size_t(steps));
+  }
+  if (F == core::QuantFormat::kFp8Block) {
+    const size_t table_bytes = size_t((w.cols + w.block_cols - 1) / w.block_cols * 256);
+    if (block_tables.size() < table_bytes) block_tables.resize(table_bytes);
   }
   if (zeros.size() < size_t(w.code_bytes_per_row())) zeros.assign(size_t(w.code_bytes_per_row()), 0);
   for (int64_t t = 0; t < tiles; ++t) {
@@ -179,7 +198,8 @@ TUTEL_AMX_DECODE void decode_matrix_tiles_of(const core::QuantizedMatrix& w, int
         codes[i] = scale_rows[i] = zeros.data();
       }
     }
-    tile_lanes<F>(w, expert, tables, rows, scale_rows, valid, steps, words.data(), floats.data(), fast.data());
+    tile_lanes<F>(w, expert, tables, rows, scale_rows, valid, steps, words.data(), floats.data(), block_tables.data(),
+                  way.data());
     for (int64_t s = 0; s < steps; ++s) {
       PackedTile& tile = out[s * tiles + t];
       const int64_t k = s * kInnerStep;
@@ -191,12 +211,15 @@ TUTEL_AMX_DECODE void decode_matrix_tiles_of(const core::QuantizedMatrix& w, int
         const int64_t at = ahead < row_bytes ? ahead : ahead - row_bytes + kTileRows * row_bytes;
         for (int64_t i = 0; i < valid; ++i) _mm_prefetch(reinterpret_cast<const char*>(codes[i] + at), _MM_HINT_T0);
       }
-      if (!fast[size_t(s)]) {
+      if (way[size_t(s)] == kSlowWay) {
         transposed_step<F>(tables, rows, valid, quantized_steps::step_at(w, k), tile);
       } else if (F == core::QuantFormat::kMxfp4) {
         mxfp4_step(codes, k / 2, words.data() + s * 32, sh, tile);
       } else if (F == core::QuantFormat::kNvfp4) {
         nvfp4_step(codes, k / 2, w.cols - k < kInnerStep, floats.data() + s * 32, sh, tile);
+      } else if (way[size_t(s)] == kTableWay) {
+        fp8_table_step(codes, k, int(std::min(kInnerStep, w.cols - k)), block_tables.data() + k / w.block_cols * 256,
+                       sh, tile);
       } else {
         fp8_step(codes, k, int(std::min(kInnerStep, w.cols - k)), floats.data() + s * 32, sh, tile);
       }
