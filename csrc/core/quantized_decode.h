@@ -141,8 +141,8 @@ const QuantKernels* avx2_quant_kernels();
 // The AVX-512 (F, BW, VL) kernels, or nullptr when this build or this CPU has none.
 const QuantKernels* avx512_quant_kernels();
 
-// The AVX-512 kernels plus bf16_dots on AVX512-BF16's dot products, or nullptr when this build or
-// this CPU has none.
+// The AVX-512 kernels plus bf16_dots on AVX512-BF16's dot products (and VBMI's byte permutes), or
+// nullptr when this build or this CPU has none.
 const QuantKernels* avx512_bf16_quant_kernels();
 
 // The widest kernels this CPU runs.

@@ -267,7 +267,7 @@ void avx512_split_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* 
 // first 32 elements, the first scale block, and lanes 8-15 the second.  The exact products' sums
 // then take their block's scale in one multiply-add.
 
-#define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")))
 
 TUTEL_AVX512_BF16 inline __m512i e2m1_bf16_table() {
   return _mm512_setr_epi32(0x3f000000, 0x3fc03f80, 0x40404000, 0x40c04080, 0xbf008000, 0xbfc0bf80, 0xc040c000,
@@ -349,43 +349,53 @@ TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert,
   }
 }
 
-// fp8_block with bfloat16 vectors in element order: 32 E4M3 bytes widened to 16-bit lanes look up
-// their magnitudes' bfloat16 bits (exact: every E4M3 value, subnormals included, is a normal
-// bfloat16) in two 64-entry tables, one two-source permute each, kept by index bit 6; the sign bit
-// is then put in place.  NaN codes look up a NaN.  The dot products of a scale block's 32-element
-// steps sum in float32 lanes, which then take the block's scale in one multiply-add.
+// fp8_block with bfloat16 vectors in element order: each of 32 E4M3 bytes is copied to both bytes
+// of a 16-bit lane, where two byte permutes look up the high and the low byte of its magnitude's
+// bfloat16 bits (exact: every E4M3 value, subnormals included, is a normal bfloat16) in 128-entry
+// tables (seven index bits: the code without its sign), and the code's sign bit is then put in
+// place.  NaN codes look up a NaN.  The dot products of a scale block's 32-element steps sum in
+// float32 lanes, which then take the block's scale in one multiply-add.
 struct E4m3Bf16Tables {
-  __m512i magnitudes[4];  // bfloat16 bits of magnitude codes 0..127, 32 per register
+  __m512i low[2], high[2];  // the low and the high bytes of magnitudes 0..127's bfloat16 bits
+  __m512i copies;           // byte permute: bytes 2 i and 2 i + 1 take byte i
 };
 
 TUTEL_AVX512_BF16 inline E4m3Bf16Tables e4m3_bf16_tables() {
-  alignas(64) uint16_t bits[128];
+  alignas(64) uint8_t low[128], high[128], copies[64];
   const float* e4m3 = byte_tables().e4m3;
   for (int c = 0; c < 128; ++c) {
     uint32_t u;
     std::memcpy(&u, &e4m3[c], 4);
-    bits[c] = uint16_t(u >> 16);  // exact: E4M3 values have at most 4 significant bits
+    // exact: E4M3 values have at most 4 significant bits
+    low[c] = uint8_t(u >> 16);
+    high[c] = uint8_t(u >> 24);
   }
+  for (int i = 0; i < 64; ++i) copies[i] = uint8_t(i / 2);
   E4m3Bf16Tables t;
-  for (int i = 0; i < 4; ++i) t.magnitudes[i] = _mm512_load_si512(bits + 32 * i);
+  for (int h = 0; h < 2; ++h) {
+    t.low[h] = _mm512_load_si512(low + 64 * h);
+    t.high[h] = _mm512_load_si512(high + 64 * h);
+  }
+  t.copies = _mm512_load_si512(copies);
   return t;
 }
 
 // `count` (1..32) codes at p as bfloat16 bits; zeros past `count`.
 TUTEL_AVX512_BF16 inline __m512i e4m3_bf16_32(const uint8_t* p, int count, const E4m3Bf16Tables& t) {
   const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
-  const __m512i wide = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kept, p));
-  const __m512i low = _mm512_permutex2var_epi16(t.magnitudes[0], wide, t.magnitudes[1]);
-  const __m512i high = _mm512_permutex2var_epi16(t.magnitudes[2], wide, t.magnitudes[3]);
-  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(wide, _mm512_set1_epi16(0x40)), low, high);
-  // magnitude | (byte << 8 & 0x8000): the sign bit in place
-  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(wide, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xf8);
+  const __m512i codes = _mm512_permutexvar_epi8(t.copies, _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(kept, p)));
+  // The high bytes looked up in place of the codes' high copies, then the low bytes in place of the
+  // low ones (each permute keeps the index bytes its mask leaves out).
+  const __m512i highs = _mm512_mask2_permutex2var_epi8(t.high[0], codes, __mmask64(0xaaaaaaaaaaaaaaaaull), t.high[1]);
+  const __m512i bits = _mm512_mask2_permutex2var_epi8(t.low[0], highs, __mmask64(0x5555555555555555ull), t.low[1]);
+  // bits | (codes & 0x8000): the sign bit in place (the magnitudes' is clear)
+  return _mm512_ternarylogic_epi32(bits, codes, _mm512_set1_epi16(int16_t(0x8000)), 0xf8);
 }
 
 template <int R, int V>
 TUTEL_AVX512_BF16 void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                            const uint16_t* const* vectors, float* out, int out_stride) {
-  const E4m3Bf16Tables tables = e4m3_bf16_tables();
+  static const E4m3Bf16Tables tables = e4m3_bf16_tables();
   const uint8_t* codes[R];
   const float* scales[R];
   for (int r = 0; r < R; ++r) {
@@ -457,8 +467,9 @@ void avx512_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* r
   }
 }
 
+// AVX512-BF16's dot products, and VBMI's byte permutes for the E4M3 tables.
 bool cpu_has_avx512_bf16() {
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  static const bool supported = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
   return supported;
 }
 
