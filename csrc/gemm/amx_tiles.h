@@ -88,10 +88,17 @@ struct BlockSums {
   bool carried;
 };
 
+// What tile_block does between its steps besides the products: nothing, unless a caller has other
+// work to spread over them (side()).
+struct NoSideWork {
+  void operator()() const {}
+};
+
 // C[i][j] += sum over steps [0, steps) of A_i B_j, for i < NA, j < NB: the one tile loop of both
 // layouts, whose Operands say where step s's tiles are (a(i, s, stride) and b_tile(j, s, stride)).
-template <int NA, int NB, class Operands>
-TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSums& sums) {
+// side() runs once per step, while the step's products are under way.
+template <int NA, int NB, class Operands, class Side = NoSideWork>
+TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSums& sums, const Side& side = Side()) {
   const int64_t stride = sums.stride_bytes;
   if (sums.carried) {
     _tile_loadd(4, sums.c[0][0], stride);
@@ -114,6 +121,7 @@ TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSu
     if (NB > 1) _tile_dpbf16ps(5, 0, 3);
     if (NA > 1) _tile_dpbf16ps(6, 1, 2);
     if (NA > 1 && NB > 1) _tile_dpbf16ps(7, 1, 3);
+    side();
   }
   _tile_stored(4, sums.c[0][0], stride);
   if (NB > 1) _tile_stored(5, sums.c[0][1], stride);
@@ -121,12 +129,13 @@ TUTEL_AMX void tile_block(const Operands& operands, int64_t steps, const BlockSu
   if (NA > 1 && NB > 1) _tile_stored(7, sums.c[1][1], stride);
 }
 
-template <class Operands>
-TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, const BlockSums& sums) {
-  if (two_a && two_b) tile_block<2, 2>(operands, steps, sums);
-  else if (two_a) tile_block<2, 1>(operands, steps, sums);
-  else if (two_b) tile_block<1, 2>(operands, steps, sums);
-  else tile_block<1, 1>(operands, steps, sums);
+template <class Operands, class Side = NoSideWork>
+TUTEL_AMX void run_block(bool two_a, bool two_b, const Operands& operands, int64_t steps, const BlockSums& sums,
+                         const Side& side = Side()) {
+  if (two_a && two_b) tile_block<2, 2>(operands, steps, sums, side);
+  else if (two_a) tile_block<2, 1>(operands, steps, sums, side);
+  else if (two_b) tile_block<1, 2>(operands, steps, sums, side);
+  else tile_block<1, 1>(operands, steps, sums, side);
 }
 
 // Stores the first n <= 16 lanes of `sums` to y, rounded as Scalar<bfloat16>::store rounds.
@@ -169,10 +178,12 @@ constexpr int64_t kSpanSumsBlock = 2 * kSpanSumsDown;
 
 // Packed token rows (`blocks` tiles of 16 rows, `steps` steps each) times a matrix packed by output
 // tiles (`tiles` of them), kPackedSpanBlocks row tiles and two output tiles at a time; after each
-// such span, store(b_begin, b_end, t, two_o, sums) writes its sums out (laid out as above).
-template <class Store>
+// such span, store(b_begin, b_end, t, two_o, sums) writes its sums out (laid out as above).  side()
+// runs once per tile step: (tiles + 1) / 2 * ((blocks + 1) / 2) * steps times in all.
+template <class Store, class Side = NoSideWork>
 TUTEL_AMX void packed_rows_times_packed_matrix(const PackedTile* rows, const PackedTile* matrix, int64_t steps,
-                                               int64_t blocks, int64_t tiles, Store&& store) {
+                                               int64_t blocks, int64_t tiles, Store&& store,
+                                               const Side& side = Side()) {
   alignas(64) float sums[kPackedSpanBlocks / 2 * kSpanSumsBlock];
   for (int64_t b_begin = 0; b_begin < blocks; b_begin += kPackedSpanBlocks) {
     const int64_t b_end = std::min(blocks, b_begin + kPackedSpanBlocks);
@@ -183,7 +194,7 @@ TUTEL_AMX void packed_rows_times_packed_matrix(const PackedTile* rows, const Pac
         const BlockSums block_sums{{{c, c + kTileRows}, {c + kSpanSumsDown, c + kSpanSumsDown + kTileRows}},
                                    kSpanSumsRow * int64_t(sizeof(float)), false};
         run_block(b_end - b > 1, two_o, PackedRowsTimesPackedMatrix{rows, matrix, steps, b, tiles, t}, steps,
-                  block_sums);
+                  block_sums, side);
       }
       store(b_begin, b_end, t, two_o, static_cast<const float*>(sums));
     }

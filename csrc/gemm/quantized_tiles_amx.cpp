@@ -247,10 +247,33 @@ TUTEL_AMX inline void store_with_bias(bfloat16* y, __m512 sums, const float* bia
   store_outputs(y, sums, n);
 }
 
+// Asks for the next item's codes (one byte range: an expert's rows are contiguous) to come into the
+// second-level cache a few lines per tile step of this item's products, so that decoding it does not
+// wait on memory while the tile unit idles, and these products do not wait on that reading.
+class NextItemPrefetch {
+ public:
+  NextItemPrefetch() = default;
+  NextItemPrefetch(const core::QuantizedMatrix& w, const QuantizedItem& next, int64_t tile_steps) {
+    const int64_t row_bytes = w.code_bytes_per_row();
+    first_ = reinterpret_cast<const char*>(w.row_codes(next.expert, next.o_begin));
+    lines_ = ((next.o_end - next.o_begin) * row_bytes + 63) / 64;
+    per_step_ = tile_steps > 0 ? (lines_ + tile_steps - 1) / tile_steps : lines_;
+  }
+  TUTEL_AMX void operator()() const {
+    for (int64_t end = std::min(lines_, next_ + per_step_); next_ < end; ++next_)
+      _mm_prefetch(first_ + next_ * 64, _MM_HINT_T1);
+  }
+
+ private:
+  const char* first_ = nullptr;
+  int64_t lines_ = 0, per_step_ = 0;
+  mutable int64_t next_ = 0;
+};
+
 // One item: outputs [o_begin, o_end) of the expert's rows, whose A tiles are `rows`; `matrix`
-// holds inner_steps x 4 tiles of scratch.
+// holds inner_steps x 4 tiles of scratch.  `next`: the item this thread runs next, or nullptr.
 TUTEL_AMX void run_item(const QuantizedGroupedProducts<bfloat16>& call, const QuantizedItem& item,
-                        const PackedTile* rows, PackedTile* matrix) {
+                        const PackedTile* rows, PackedTile* matrix, const QuantizedItem* next) {
   const int64_t steps = inner_steps(call.w.cols), outputs = call.w.rows;
   const int64_t first_row = call.offsets[item.expert], row_count = call.offsets[item.expert + 1] - first_row;
   const int64_t blocks = (row_count + kTileRows - 1) / kTileRows;
@@ -268,7 +291,9 @@ TUTEL_AMX void run_item(const QuantizedGroupedProducts<bfloat16>& call, const Qu
       if (two_o) store_with_bias(y + kTileRows, _mm512_load_ps(c + kTileRows), bias, o + kTileRows, n1);
     }
   };
-  packed_rows_times_packed_matrix(rows, matrix, steps, blocks, tiles, store);
+  const NextItemPrefetch prefetch =
+      next ? NextItemPrefetch(call.w, *next, (tiles + 1) / 2 * ((blocks + 1) / 2) * steps) : NextItemPrefetch();
+  packed_rows_times_packed_matrix(rows, matrix, steps, blocks, tiles, store, prefetch);
 }
 
 // Runs the items this thread claims from `queue` until none is left.
@@ -279,9 +304,13 @@ TUTEL_AMX void run_items(const QuantizedGroupedProducts<bfloat16>& call, const s
   static thread_local std::vector<PackedTile> matrix;
   const size_t matrix_tiles = size_t(inner_steps(call.w.cols) * kItemOutputs / kTileRows);
   if (matrix.size() < matrix_tiles) matrix.resize(matrix_tiles);
-  for (int64_t claimed = queue.claim(); claimed >= 0; claimed = queue.claim()) {
+  // Each item is claimed one ahead, so that its codes can be read in while the one before runs.
+  for (int64_t claimed = queue.claim(); claimed >= 0;) {
+    const int64_t next = queue.claim();
     const QuantizedItem& item = items[size_t(claimed)];
-    run_item(call, item, packed + first_tile[size_t(item.expert)], matrix.data());
+    run_item(call, item, packed + first_tile[size_t(item.expert)], matrix.data(),
+             next >= 0 ? &items[size_t(next)] : nullptr);
+    claimed = next;
   }
   _tile_release();
 }
