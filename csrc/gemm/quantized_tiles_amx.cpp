@@ -122,9 +122,9 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
       }
     }
   } else {
-    std::fill(floats, floats + steps * 32, 0.0f);
-    // A step's lanes depend on its scale block alone: those of a block's first step are copied to
-    // its other steps (block_cols / 32 of them where it is a multiple of 32).
+    // A step's way and lanes depend on its scale block alone: those of a block's first step serve
+    // its other steps (block_cols / 32 of them where it is a multiple of 32).  Lanes are written
+    // only for steps that take them (the table way reads none).
     int64_t block_step = -1, block = -1;
     for (int64_t s = 0; s < steps; ++s) {
       const quantized_steps::Step step = quantized_steps::step_at(w, s * kInnerStep);
@@ -133,21 +133,28 @@ TUTEL_AMX_DECODE void tile_lanes(const core::QuantizedMatrix& w, int64_t expert,
         continue;
       }
       if (step.block == block) {
-        std::copy(floats + block_step * 32, floats + block_step * 32 + 32, floats + s * 32);
         way[s] = way[block_step];
+        if (way[s] == kLaneWay) std::copy(floats + block_step * 32, floats + block_step * 32 + 32, floats + s * 32);
         continue;
       }
       const float shared = rows[0].float_scales[step.block];
-      bool uniform = true;
+      bool uniform = true, normal = true;
       for (int64_t n = 0; n < valid; ++n) {
-        const float scale = rows[n].float_scales[step.block] * 256.0f;
-        floats[s * 32 + 16 * (n / 8) + 2 * (n % 8)] = floats[s * 32 + 16 * (n / 8) + 2 * (n % 8) + 1] = scale;
-        if (!keeps_normal(scale, 0x1p-109f)) way[s] = kSlowWay;  // the least nonzero E4M3 is 2^-9, taken as 2^-17
         uniform = uniform && std::memcmp(&rows[n].float_scales[step.block], &shared, sizeof(float)) == 0;
+        // the least nonzero E4M3 is 2^-9, taken as 2^-17
+        normal = normal && keeps_normal(rows[n].float_scales[step.block] * 256.0f, 0x1p-109f);
       }
-      if (way[s] == kLaneWay && uniform) {
+      if (!normal) {
+        way[s] = kSlowWay;
+      } else if (uniform) {
         way[s] = kTableWay;
         fp8_scaled_table(tables.e4m3, shared, sh, block_tables + step.block * 256);
+      } else {
+        std::fill(floats + s * 32, floats + s * 32 + 32, 0.0f);
+        for (int64_t n = 0; n < valid; ++n) {
+          const float scale = rows[n].float_scales[step.block] * 256.0f;
+          floats[s * 32 + 16 * (n / 8) + 2 * (n % 8)] = floats[s * 32 + 16 * (n / 8) + 2 * (n % 8) + 1] = scale;
+        }
       }
       block_step = s;
       block = step.block;
