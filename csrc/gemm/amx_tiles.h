@@ -176,10 +176,16 @@ constexpr int64_t kPackedSpanBlocks = 16;
 constexpr int64_t kSpanSumsRow = 2 * kTileRows, kSpanSumsDown = kTileRows * kSpanSumsRow;
 constexpr int64_t kSpanSumsBlock = 2 * kSpanSumsDown;
 
+// How many tile steps packed_rows_times_packed_matrix runs (each block of up to two row tiles and
+// two output tiles takes `steps`; spans are whole pairs of row tiles): side() runs this many times.
+inline int64_t packed_product_tile_steps(int64_t steps, int64_t blocks, int64_t tiles) {
+  return (tiles + 1) / 2 * ((blocks + 1) / 2) * steps;
+}
+
 // Packed token rows (`blocks` tiles of 16 rows, `steps` steps each) times a matrix packed by output
 // tiles (`tiles` of them), kPackedSpanBlocks row tiles and two output tiles at a time; after each
 // such span, store(b_begin, b_end, t, two_o, sums) writes its sums out (laid out as above).  side()
-// runs once per tile step: (tiles + 1) / 2 * ((blocks + 1) / 2) * steps times in all.
+// runs once per tile step (packed_product_tile_steps).
 template <class Store, class Side = NoSideWork>
 TUTEL_AMX void packed_rows_times_packed_matrix(const PackedTile* rows, const PackedTile* matrix, int64_t steps,
                                                int64_t blocks, int64_t tiles, Store&& store,

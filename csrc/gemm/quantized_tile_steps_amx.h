@@ -211,7 +211,8 @@ TUTEL_AMX_DECODE inline void fp8_octets(const uint8_t* const* rows, int64_t offs
 
 // Tile row p's codes: code bytes 2 p, 2 p + 1 of the 16 rows, each in both bytes of its 16-bit lane.
 TUTEL_AMX_DECODE inline __m512i fp8_pair_codes(const __m512i (&octets)[2][2][2], int p, const Shuffles& sh) {
-  return _mm512_permutex2var_epi8(octets[0][p / 8][p % 8 / 4], load64(sh.pairs_3[p % 4]), octets[1][p / 8][p % 8 / 4]);
+  const int h = p / 8, g = p % 8 / 4;
+  return _mm512_permutex2var_epi8(octets[0][h][g], load64(sh.pairs_3[p % 4]), octets[1][h][g]);
 }
 
 // The bytes of fp8_table_step's table for scale s: [0, 128) the low and [128, 256) the high bytes of
@@ -224,9 +225,9 @@ TUTEL_AMX_DECODE inline void fp8_scaled_table(const float* e4m3, float scale, co
     words[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(e4m3 + 32 * i + 16), s),
                                             _mm512_mul_ps(_mm512_loadu_ps(e4m3 + 32 * i), s));
   for (int h = 0; h < 2; ++h) {
-    _mm512_storeu_si512(bytes + 64 * h, _mm512_permutex2var_epi8(words[2 * h], load64(sh.even_bytes), words[2 * h + 1]));
-    _mm512_storeu_si512(bytes + 128 + 64 * h,
-                        _mm512_permutex2var_epi8(words[2 * h], load64(sh.odd_bytes), words[2 * h + 1]));
+    const __m512i first = words[2 * h], second = words[2 * h + 1];
+    _mm512_storeu_si512(bytes + 64 * h, _mm512_permutex2var_epi8(first, load64(sh.even_bytes), second));
+    _mm512_storeu_si512(bytes + 128 + 64 * h, _mm512_permutex2var_epi8(first, load64(sh.odd_bytes), second));
   }
 }
 
@@ -246,7 +247,8 @@ TUTEL_AMX_DECODE inline void fp8_table_step(const uint8_t* const* rows, int64_t 
     // the low ones (each permute keeps the index bytes its mask leaves out).
     const __m512i highs = _mm512_mask2_permutex2var_epi8(high[0], codes, __mmask64(0xaaaaaaaaaaaaaaaaull), high[1]);
     const __m512i bits = _mm512_mask2_permutex2var_epi8(low[0], highs, __mmask64(0x5555555555555555ull), low[1]);
-    _mm512_store_si512(out.pairs + 16 * p, _mm512_ternarylogic_epi32(bits, codes, sign, 0x78));  // bits ^ (codes & sign)
+    // bits ^ (codes & sign)
+    _mm512_store_si512(out.pairs + 16 * p, _mm512_ternarylogic_epi32(bits, codes, sign, 0x78));
   }
 }
 

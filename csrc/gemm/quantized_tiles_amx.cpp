@@ -299,7 +299,7 @@ TUTEL_AMX void run_item(const QuantizedGroupedProducts<bfloat16>& call, const Qu
     }
   };
   const NextItemPrefetch prefetch =
-      next ? NextItemPrefetch(call.w, *next, (tiles + 1) / 2 * ((blocks + 1) / 2) * steps) : NextItemPrefetch();
+      next ? NextItemPrefetch(call.w, *next, packed_product_tile_steps(steps, blocks, tiles)) : NextItemPrefetch();
   packed_rows_times_packed_matrix(rows, matrix, steps, blocks, tiles, store, prefetch);
 }
 
