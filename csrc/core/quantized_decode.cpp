@@ -155,16 +155,16 @@ int64_t bf16_padded(int64_t n) { return (n + kQuantBf16Round - 1) / kQuantBf16Ro
 template <class V>
 std::vector<uint16_t> bf16_layout_rows(const QuantizedMatrix& m, const V* x, int64_t count, int64_t n,
                                        int64_t stride) {
-  const bool split = m.format != QuantFormat::kFp8Block;
-  const int64_t width = bf16_padded(n), half = kQuantBf16Round / 2;
+  const int64_t width = bf16_padded(n);
+  int64_t slot[kQuantBf16Round];
+  for (int64_t j = 0; j < kQuantBf16Round; ++j) slot[j] = bf16_layout_slot(m, j);
   std::vector<uint16_t> out(size_t(count * width), 0);
   parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       uint16_t* row = out.data() + c * width;
       for (int64_t k = 0; k < n; ++k) {
-        const int64_t round = k / kQuantBf16Round * kQuantBf16Round, j = k - round;
-        const int64_t at = split ? round + (j & 1) * half + j / 2 : k;
-        row[at] = Scalar<bfloat16>::store(Scalar<V>::load(x[c * stride + k])).bits;
+        const int64_t round = k / kQuantBf16Round * kQuantBf16Round;
+        row[round + slot[k - round]] = Scalar<bfloat16>::store(Scalar<V>::load(x[c * stride + k])).bits;
       }
     }
   });

@@ -107,15 +107,24 @@ using QuantRowDots = void (*)(const QuantizedMatrix& m, int64_t expert, const in
 constexpr int64_t kQuantSplitRound = 32;
 
 // The bfloat16 layouts that bf16_dots takes, for mxfp4 and for fp8_block with blocks a multiple of
-// 32 wide (bf16_takes): vectors of bfloat16 bits padded with zeros to whole rounds of this many
-// elements; for mxfp4 each round holds its even elements and then its odd ones, so that a byte's
-// two codes, decoded as they lie, pair with the round's halves in a bfloat16 dot-product
-// instruction; for fp8_block the elements are in order.
+// 64 wide (bf16_takes): vectors of bfloat16 bits padded with zeros to whole rounds of this many
+// elements, each round's elements in the order in which the kernels decode a round's codes
+// (bf16_layout_slot), so that they pair with them in bfloat16 dot-product instructions.
 constexpr int64_t kQuantBf16Round = 64;
 
 // Whether bf16_dots takes matrices like m (kernels that have one).
 inline bool bf16_takes(const QuantizedMatrix& m) {
-  return m.format == QuantFormat::kMxfp4 || (m.format == QuantFormat::kFp8Block && m.block_cols % 32 == 0);
+  return m.format == QuantFormat::kMxfp4 || (m.format == QuantFormat::kFp8Block && m.block_cols % kQuantBf16Round == 0);
+}
+
+// Where element j (0 <= j < kQuantBf16Round) of a round lies in m's bfloat16 layout: for mxfp4 the
+// round's even elements and then its odd ones (a byte's two codes, decoded as they lie); for
+// fp8_block 8-element groups 0, 2, 4, 6 and then 1, 3, 5, 7 (byte unpacks pair the decoded bytes
+// within 16-byte lanes).
+inline int64_t bf16_layout_slot(const QuantizedMatrix& m, int64_t j) {
+  constexpr int64_t half = kQuantBf16Round / 2;
+  if (m.format == QuantFormat::kFp8Block) return (j / 8 % 2) * half + (j / 16) * 8 + j % 8;
+  return (j & 1) * half + j / 2;
 }
 
 // The dot products of QuantRowDots with vectors of bfloat16 bits in the bfloat16 layout; the

@@ -349,19 +349,20 @@ TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert,
   }
 }
 
-// fp8_block with bfloat16 vectors in element order: each of 32 E4M3 bytes is copied to both bytes
-// of a 16-bit lane, where two byte permutes look up the high and the low byte of its magnitude's
-// bfloat16 bits (exact: every E4M3 value, subnormals included, is a normal bfloat16) in 128-entry
-// tables (seven index bits: the code without its sign), and the code's sign bit is then put in
-// place.  NaN codes look up a NaN.  The dot products of a scale block's 32-element steps sum in
-// float32 lanes, which then take the block's scale in one multiply-add.
+// fp8_block with bfloat16 vectors in the fp8 bfloat16 layout (kQuantBf16Round): a round's 64 E4M3
+// bytes look up the low and the high byte of their magnitudes' bfloat16 bits (exact: every E4M3
+// value, subnormals included, is a normal bfloat16) in 128-entry tables (seven index bits: the code
+// without its sign) with two two-table byte permutes, the codes' sign bits go into the high bytes,
+// and two byte unpacks pair the bytes into bfloat16 lanes.  The unpacks work within 16-byte lanes,
+// which is why the vectors' rounds hold their elements in the order the bfloat16 lanes come out
+// (fp8_bf16_layout_slot).  NaN codes look up a NaN.  A scale block's rounds sum in float32 lanes,
+// which then take the block's scale in one multiply-add.
 struct E4m3Bf16Tables {
   __m512i low[2], high[2];  // the low and the high bytes of magnitudes 0..127's bfloat16 bits
-  __m512i copies;           // byte permute: bytes 2 i and 2 i + 1 take byte i
 };
 
 TUTEL_AVX512_BF16 inline E4m3Bf16Tables e4m3_bf16_tables() {
-  alignas(64) uint8_t low[128], high[128], copies[64];
+  alignas(64) uint8_t low[128], high[128];
   const float* e4m3 = byte_tables().e4m3;
   for (int c = 0; c < 128; ++c) {
     uint32_t u;
@@ -370,26 +371,24 @@ TUTEL_AVX512_BF16 inline E4m3Bf16Tables e4m3_bf16_tables() {
     low[c] = uint8_t(u >> 16);
     high[c] = uint8_t(u >> 24);
   }
-  for (int i = 0; i < 64; ++i) copies[i] = uint8_t(i / 2);
   E4m3Bf16Tables t;
   for (int h = 0; h < 2; ++h) {
     t.low[h] = _mm512_load_si512(low + 64 * h);
     t.high[h] = _mm512_load_si512(high + 64 * h);
   }
-  t.copies = _mm512_load_si512(copies);
   return t;
 }
 
-// `count` (1..32) codes at p as bfloat16 bits; zeros past `count`.
-TUTEL_AVX512_BF16 inline __m512i e4m3_bf16_32(const uint8_t* p, int count, const E4m3Bf16Tables& t) {
-  const __mmask32 kept = count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
-  const __m512i codes = _mm512_permutexvar_epi8(t.copies, _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(kept, p)));
-  // The high bytes looked up in place of the codes' high copies, then the low bytes in place of the
-  // low ones (each permute keeps the index bytes its mask leaves out).
-  const __m512i highs = _mm512_mask2_permutex2var_epi8(t.high[0], codes, __mmask64(0xaaaaaaaaaaaaaaaaull), t.high[1]);
-  const __m512i bits = _mm512_mask2_permutex2var_epi8(t.low[0], highs, __mmask64(0x5555555555555555ull), t.low[1]);
-  // bits | (codes & 0x8000): the sign bit in place (the magnitudes' is clear)
-  return _mm512_ternarylogic_epi32(bits, codes, _mm512_set1_epi16(int16_t(0x8000)), 0xf8);
+// The bfloat16 bits of a round's 64 codes (the first `count`, zeros past them), in the layout's
+// order: w[0] the round's first 32 slots, w[1] the last 32.
+TUTEL_AVX512_BF16 inline void e4m3_bf16_round(const uint8_t* p, int count, const E4m3Bf16Tables& t, __m512i (&w)[2]) {
+  const __m512i codes = count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << count) - 1, p);
+  const __m512i lows = _mm512_permutex2var_epi8(t.low[0], codes, t.low[1]);
+  // high | (codes & 0x80): the sign bit in place (the magnitudes' is clear)
+  const __m512i highs = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.high[0], codes, t.high[1]), codes,
+                                                  _mm512_set1_epi8(int8_t(0x80)), 0xf8);
+  w[0] = _mm512_unpacklo_epi8(lows, highs);
+  w[1] = _mm512_unpackhi_epi8(lows, highs);
 }
 
 template <int R, int V>
@@ -405,22 +404,26 @@ TUTEL_AVX512_BF16 void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t exp
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t width = m.block_cols;
+  const int64_t width = m.block_cols;  // whole rounds (bf16_takes)
   for (int64_t b = 0, k0 = 0; k0 < m.cols; ++b, k0 += width) {
     const int64_t k1 = std::min(m.cols, k0 + width);
     __m512 dots[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) dots[r][v] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 32) {  // blocks are whole 32-element steps but the row's last
-      const int count = int(std::min<int64_t>(32, k1 - k));
-      __m512i w[R];
+    for (int64_t k = k0; k < k1; k += kQuantBf16Round) {  // only the row's last round is partial
+      const int count = int(std::min<int64_t>(kQuantBf16Round, k1 - k));
+      __m512i w[R][2];
       for (int r = 0; r < R; ++r) {
-        if ((k & 63) == 0) prefetch_codes(codes[r] + k, m.prefetch_bytes);
-        w[r] = e4m3_bf16_32(codes[r] + k, count, tables);
+        prefetch_codes(codes[r] + k, m.prefetch_bytes);
+        e4m3_bf16_round(codes[r] + k, count, tables, w[r]);
       }
       for (int v = 0; v < V; ++v) {
-        const __m512i x = _mm512_loadu_si512(vectors[v] + k);  // zeros past the row: the layout's padding
-        for (int r = 0; r < R; ++r) dots[r][v] = _mm512_dpbf16_ps(dots[r][v], (__m512bh)w[r], (__m512bh)x);
+        // zeros past the row: the layout's padding
+        const __m512i x0 = _mm512_loadu_si512(vectors[v] + k), x1 = _mm512_loadu_si512(vectors[v] + k + 32);
+        for (int r = 0; r < R; ++r) {
+          dots[r][v] = _mm512_dpbf16_ps(dots[r][v], (__m512bh)w[r][0], (__m512bh)x0);
+          dots[r][v] = _mm512_dpbf16_ps(dots[r][v], (__m512bh)w[r][1], (__m512bh)x1);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -457,7 +460,7 @@ void rows_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* row
   }
 }
 
-// mxfp4, and fp8_block with blocks a multiple of 32 wide (quantized_decode.cpp's takes_bf16).
+// mxfp4, and fp8_block with blocks a multiple of 64 wide (bf16_takes).
 void avx512_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
                       const uint16_t* const* vectors, int count, float* out) {
   if (row_count == 2) {

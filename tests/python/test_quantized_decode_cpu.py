@@ -223,11 +223,14 @@ def outside(got, want, bound):
 FORMAT_CASES = {
     # format, H, I, O, fp8 block: fp4 rows are whole blocks; nvfp4's 48 ends on a single 16-block;
     # fp8 with 200 columns ends on a partial 128-block, odd I and O, blocks of 24 columns end off
-    # the kernels' 8-element steps.
+    # the kernels' 8-element steps; blocks of 64 columns are one bfloat16 round each (200 and 67
+    # end on partial rounds); blocks of 32 columns are not whole rounds.
     "mxfp4": ("mxfp4", 64, 32, 64, None),
     "nvfp4": ("nvfp4", 48, 32, 48, None),
     "fp8_block": ("fp8_block", 200, 37, 200, (128, 128)),
     "fp8_small_blocks": ("fp8_block", 72, 19, 33, (16, 24)),
+    "fp8_round_blocks": ("fp8_block", 200, 67, 130, (64, 64)),
+    "fp8_half_round_blocks": ("fp8_block", 96, 45, 40, (32, 32)),
 }
 TOKEN_COUNTS = [0, 1, 3, 17, 32]
 EXPERT_COUNTS = [1, 64]
@@ -322,17 +325,32 @@ def test_the_code_tables_match_pytorchs_float8_dtypes():
     assert e2m1_values(torch.arange(16)).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
-def test_nan_codes_reach_the_outputs_of_their_tokens(kernels):
-    problem = Problem("fp8_block", SWIGLU, torch.float32, 4, 8, seed=3, k=2)
+def test_nan_codes_reach_the_outputs_of_their_tokens(kernels, dtype):
+    problem = Problem("fp8_block", SWIGLU, dtype, 4, 8, seed=3, k=2)
     chosen = int(problem.expert_ids[2, 0])
     raw = problem.gate_up.codes.view(torch.uint8).clone()
-    raw[chosen, 0, 5] = 0x7f  # E4M3 NaN in the first gate row
+    raw[chosen, 0, 133] = 0x7f  # E4M3 NaN in the first gate row, the second round's second half
     problem.gate_up.codes = raw.view(torch.float8_e4m3fn)
     with using_quantized_decode_kernels(kernels):
         got = problem.run()
     takes_it = (problem.expert_ids == chosen).any(1)
     assert torch.isnan(got[takes_it]).all() and not torch.isnan(got[~takes_it]).any()
+    # A NaN as an expert's first code stays out of the previous expert's last row, which ends on a
+    # partial round that the kernels read up to, not past.
+    edge = Problem("fp8_block", SWIGLU, dtype, 4, 8, seed=3, k=2)
+    uses = [(edge.expert_ids == e).any(1) for e in range(8)]
+    after = next(e for e in range(1, 8) if (uses[e - 1] & ~uses[e]).any())
+    raw = edge.down.codes.view(torch.uint8).clone()
+    raw[after, 0, 0] = 0x7f
+    edge.down.codes = raw.view(torch.float8_e4m3fn)
+    with using_quantized_decode_kernels(kernels):
+        got = edge.run()
+    # down row 0 is output 0
+    expected = torch.zeros_like(got, dtype=torch.bool)
+    expected[uses[after], 0] = True
+    assert torch.equal(torch.isnan(got), expected)
     scales = Problem("mxfp4", "relu", torch.float32, 4, 8, seed=3, k=2)
     scales.down.scales[int(scales.expert_ids[0, 0])] = 255  # E8M0 NaN: every down row of the expert
     with using_quantized_decode_kernels(kernels):
