@@ -64,6 +64,10 @@ struct Shuffles {
   alignas(64) uint8_t pairs_1[2][64];
   alignas(64) uint8_t pairs_2[2][64];
   alignas(64) uint8_t pairs_3[4][64];
+  // pair_rows[w]: the codes of tile rows p and p + 1, p % 4 = 2 w (those of pairs_3[2 w] and
+  // pairs_3[2 w + 1]), once each, in the order two byte unpacks pair them: bytes 16 j + i and
+  // 16 j + 8 + i (i < 8) hold the code of 16-bit lane 8 j + i of row p and of row p + 1.
+  alignas(64) uint8_t pair_rows[2][64];
   // The low (even) and the high (odd) bytes of 64 16-bit lanes in two registers.
   alignas(64) uint8_t even_bytes[64];
   alignas(64) uint8_t odd_bytes[64];
@@ -96,6 +100,12 @@ struct Shuffles {
         for (int odd = 0; odd < 2; ++odd)
           pairs_3[c][4 * n + 2 * odd + 1] = pairs_3[c][4 * n + 2 * odd] =
               uint8_t(64 * (n / 8) + 2 * (8 * c + n % 8) + odd);
+    for (int w = 0; w < 2; ++w)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 8; ++i) {
+          pair_rows[w][16 * j + i] = pairs_3[2 * w][2 * (8 * j + i)];
+          pair_rows[w][16 * j + 8 + i] = pairs_3[2 * w + 1][2 * (8 * j + i)];
+        }
     for (int i = 0; i < 64; ++i) {
       even_bytes[i] = uint8_t(2 * i);
       odd_bytes[i] = uint8_t(2 * i + 1);
@@ -233,22 +243,24 @@ TUTEL_AMX_DECODE inline void fp8_scaled_table(const float* e4m3, float scale, co
 
 // FP8 (E4M3), the 16 rows sharing one scale: tile row p = code bytes 2 p, 2 p + 1 of the 16 rows
 // (of `count` <= 32 from offset, zero past it) looked up in `table` (fp8_scaled_table), the code's
-// sign bit flipping the value's.  The byte permutes read seven index bits: the code without its sign.
+// sign bit flipping the value's.  Two tile rows at a time: their 64 codes look up their low and
+// their high bytes (the byte permutes read seven index bits: the code without its sign), and two
+// byte unpacks pair those into the rows' bfloat16 lanes.
 TUTEL_AMX_DECODE inline void fp8_table_step(const uint8_t* const* rows, int64_t offset, int count,
                                             const uint8_t* table, const Shuffles& sh, PackedTile& out) {
   __m512i octets[2][2][2];
   fp8_octets(rows, offset, count, sh, octets);
   const __m512i low[2] = {_mm512_loadu_si512(table), _mm512_loadu_si512(table + 64)};
   const __m512i high[2] = {_mm512_loadu_si512(table + 128), _mm512_loadu_si512(table + 192)};
-  const __m512i sign = _mm512_set1_epi16(int16_t(0x8000));
-  for (int p = 0; p < 16; ++p) {
-    const __m512i codes = fp8_pair_codes(octets, p, sh);
-    // The high bytes looked up in place of the codes' high copies, then the low bytes in place of
-    // the low ones (each permute keeps the index bytes its mask leaves out).
-    const __m512i highs = _mm512_mask2_permutex2var_epi8(high[0], codes, __mmask64(0xaaaaaaaaaaaaaaaaull), high[1]);
-    const __m512i bits = _mm512_mask2_permutex2var_epi8(low[0], highs, __mmask64(0x5555555555555555ull), low[1]);
-    // bits ^ (codes & sign)
-    _mm512_store_si512(out.pairs + 16 * p, _mm512_ternarylogic_epi32(bits, codes, sign, 0x78));
+  const __m512i sign = _mm512_set1_epi8(int8_t(0x80));
+  for (int p = 0; p < 16; p += 2) {
+    const int h = p / 8, g = p % 8 / 4;
+    const __m512i codes = _mm512_permutex2var_epi8(octets[0][h][g], load64(sh.pair_rows[p % 4 / 2]), octets[1][h][g]);
+    const __m512i lows = _mm512_permutex2var_epi8(low[0], codes, low[1]);
+    const __m512i magnitudes = _mm512_permutex2var_epi8(high[0], codes, high[1]);
+    const __m512i highs = _mm512_ternarylogic_epi32(magnitudes, codes, sign, 0x78);  // ^ (codes & sign)
+    _mm512_store_si512(out.pairs + 16 * p, _mm512_unpacklo_epi8(lows, highs));
+    _mm512_store_si512(out.pairs + 16 * (p + 1), _mm512_unpackhi_epi8(lows, highs));
   }
 }
 
