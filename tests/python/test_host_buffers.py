@@ -166,6 +166,28 @@ def test_to_dtype_on_a_reused_block(source, target):
     assert torch.ops.tutel.to_dtype(x[:0], target).shape == (0, 1031)
 
 
+@pytest.mark.parametrize("format, dtype, group", [("fp8_block", torch.bfloat16, 0), ("mxfp4", torch.float32, 0),
+                                                   ("mxfp4", torch.float16, 0), ("fp8_block", torch.bfloat16, 128)])
+def test_quantized_grouped_linear_on_a_reused_block(format, dtype, group):
+    from tutel.ops.quantized_linear import quantized_grouped_linear
+    from tutel.quant import Fp8BlockWeights, Mxfp4Weights
+    from tutel.quant.activations import dynamic_activations
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(3, 520, 256, generator=gen, dtype=torch.float64)
+    stack = Fp8BlockWeights.quantize(weight) if format == "fp8_block" else Mxfp4Weights.quantize(weight)
+    x = torch.randn(1100, 256, generator=gen).to(dtype)
+    ends = torch.tensor([400, 400, 1000])  # an empty expert, and 100 rows of none
+    got = run_on_poisoned_block(lambda: quantized_grouped_linear(x, ends, stack, activation_group=group))
+    rows = dynamic_activations(x, group, torch.float64) if group else x.double()
+    dense = stack.dequantize_reference(torch.float64)
+    want = torch.zeros(1100, 520, dtype=torch.float64)
+    want[:400] = rows[:400] @ dense[0].t()
+    want[400:1000] = rows[400:1000] @ dense[2].t()
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    assert not got[1000:].any()
+
+
 def test_widened_converts_without_autograd_only():
     """tutel.ops.precision.widened: the cached conversion for eager tensors without autograd, the
     ordinary (differentiable) one otherwise, and the tensor itself when it has the dtype."""

@@ -1,8 +1,8 @@
 """The cache of large CPU buffers behind tutel's CPU operators.
 
-The operators' outputs of 1 MiB and more (dispatched rows, expert products, gated units and
-their gradients, expert weight gradients) take their memory from a cache of blocks and give it
-back when freed.  Without it, every block over 32 MiB went back to the kernel on free and the
+The operators' outputs of 1 MiB and more (dispatched rows, expert products, quantized expert
+products, gated units and their gradients, expert weight gradients) take their memory from a cache
+of blocks and give it back when freed.  Without it, every block over 32 MiB went back to the kernel on free and the
 next step faulted its pages in again: about a quarter of a Qwen3-like MoE training step at 2048
 tokens on two cores (docs/design.md).  The cache keeps at most a limit of free bytes (by
 default a quarter of the machine's memory, or ``TUTEL_HOST_CACHE_BYTES`` read at start; 0 turns

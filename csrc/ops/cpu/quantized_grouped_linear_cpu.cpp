@@ -18,6 +18,7 @@
 #include "../../gemm/quantized_products.h"
 #include "../core_types.h"
 #include "../quantized_grouped_linear_args.h"
+#include "reusable_buffers.h"
 
 namespace tutel {
 namespace ops {
@@ -82,7 +83,7 @@ gemm::QuantizedGroupedProducts<T> products_of(const QuantizedGroupedLinearArgs& 
 // dequantized, float32 [grouped, K] contiguous.
 at::Tensor quantized_activations(const QuantizedGroupedLinearArgs& a, int64_t grouped) {
   const int64_t cols = a.rows.size(1), stride = grouped > 1 ? a.rows.stride(0) : cols;
-  at::Tensor x = at::empty({grouped, cols}, a.rows.options().dtype(at::kFloat));
+  at::Tensor x = empty_reusable({grouped, cols}, a.rows.options().dtype(at::kFloat));
   float* out = x.data_ptr<float>();
   switch (a.rows.scalar_type()) {
     case at::kFloat:
@@ -107,14 +108,14 @@ at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor
   const QuantizedGroupedLinearArgs a = quantized_grouped_linear_args(
       rows, ends, std::string(format), codes, scales, global_scale, block, bias, activation_group);
   const int64_t n = rows.size(0), outputs = a.stack.rows, grouped = a.offsets.back();
-  at::Tensor out = at::empty({n, outputs}, rows.options());
+  at::Tensor out = empty_reusable({n, outputs}, rows.options());
   if (n == 0 || outputs == 0) return out;
   if (grouped < n) out.narrow(0, grouped, n - grouped).zero_();  // the rows of no expert
   if (grouped == 0) return out;
   if (a.activation_group > 0) {
     const bool wide = rows.scalar_type() == at::kFloat;
     const at::Tensor x = quantized_activations(a, grouped);
-    at::Tensor y = wide ? out : at::empty({grouped, outputs}, rows.options().dtype(at::kFloat));
+    at::Tensor y = wide ? out : empty_reusable({grouped, outputs}, rows.options().dtype(at::kFloat));
     gemm::quantized_float_products(products_of<float>(a, x, y), strip_kernels_in_force());
     if (!wide) out.narrow(0, 0, grouped).copy_(y);
     return out;
@@ -125,7 +126,7 @@ at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor
   }
   const bool wide = rows.scalar_type() == at::kFloat;
   const at::Tensor x = wide ? a.rows : a.rows.narrow(0, 0, grouped).to(at::kFloat);
-  at::Tensor y = wide ? out : at::empty({grouped, outputs}, rows.options().dtype(at::kFloat));
+  at::Tensor y = wide ? out : empty_reusable({grouped, outputs}, rows.options().dtype(at::kFloat));
   gemm::quantized_float_products(products_of<float>(a, x, y), strip_kernels_in_force());
   if (!wide) out.narrow(0, 0, grouped).copy_(y);
   return out;
