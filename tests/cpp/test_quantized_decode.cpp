@@ -145,10 +145,11 @@ void check_kernels(const QuantKernels& kernels) {
   }
 }
 
-// bf16_dots with bfloat16 vectors in the bfloat16 layouts (mxfp4: rounds of 64 elements, the even
-// ones first; fp8_block with blocks a multiple of 32 wide: element order): against the same double
-// sums of the vectors' values, for rows of whole and half rounds, partial last blocks, one to nine
-// vectors, one and two rows.
+// bf16_dots with bfloat16 vectors in the bfloat16 layouts (rounds of 64 elements; mxfp4: the even
+// ones first; fp8_block with blocks a multiple of 64 wide: 8-element groups, the even ones first):
+// against the same double sums of the vectors' values, for rows of whole and half rounds, partial
+// last blocks, one to nine vectors, one and two rows.  FP8 blocks of 32 or 96 columns are not
+// whole rounds and go to the float32 kernels.
 void check_bf16_kernels(const QuantKernels& kernels) {
   ASSERT_NE(kernels.bf16_dots, nullptr);
   std::mt19937 rng(11);
@@ -159,8 +160,12 @@ void check_bf16_kernels(const QuantKernels& kernels) {
   const Case cases[] = {{QuantFormat::kMxfp4, 32, 1, 1},          {QuantFormat::kMxfp4, 64, 1, 1},
                         {QuantFormat::kMxfp4, 96, 1, 1},          {QuantFormat::kMxfp4, 2880, 1, 1},
                         {QuantFormat::kMxfp4, 160, 1, 1},         {QuantFormat::kFp8Block, 200, 128, 128},
-                        {QuantFormat::kFp8Block, 96, 3, 32},      {QuantFormat::kFp8Block, 130, 2, 64},
-                        {QuantFormat::kFp8Block, 7, 1, 32}};
+                        {QuantFormat::kFp8Block, 96, 3, 64},      {QuantFormat::kFp8Block, 130, 2, 64},
+                        {QuantFormat::kFp8Block, 7, 1, 64},       {QuantFormat::kFp8Block, 300, 5, 192}};
+  for (int64_t block_cols : {32, 96}) {
+    RandomStack stack(QuantFormat::kFp8Block, 1, 2, 96, 1, block_cols, rng);
+    EXPECT_FALSE(bf16_takes(stack.m)) << block_cols;
+  }
   for (const Case& c : cases) {
     const int64_t experts = 3, rows = 7, cols = c.cols;
     RandomStack stack(c.format, experts, rows, cols, c.block_rows, c.block_cols, rng);
@@ -184,8 +189,11 @@ void check_bf16_kernels(const QuantKernels& kernels) {
             u &= 0xffff0000u;  // truncated to a bfloat16 value
             std::memcpy(&f, &u, 4);
             values[size_t(v)][size_t(k)] = f;
+            // mxfp4: a round's even elements, then its odd ones; fp8_block: its 8-element groups
+            // 0, 2, 4, 6, then 1, 3, 5, 7
             const int64_t round = k / kQuantBf16Round * kQuantBf16Round, j = k - round;
-            bits[size_t(v * width + (split ? round + (j & 1) * half + j / 2 : k))] = uint16_t(u >> 16);
+            const int64_t slot = split ? (j & 1) * half + j / 2 : (j / 8 % 2) * half + (j / 16) * 8 + j % 8;
+            bits[size_t(v * width + round + slot)] = uint16_t(u >> 16);
           }
           vectors.push_back(bits.data() + v * width);
         }
