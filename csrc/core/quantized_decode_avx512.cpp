@@ -355,7 +355,7 @@ TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert,
 // without its sign) with two two-table byte permutes, the codes' sign bits go into the high bytes,
 // and two byte unpacks pair the bytes into bfloat16 lanes.  The unpacks work within 16-byte lanes,
 // which is why the vectors' rounds hold their elements in the order the bfloat16 lanes come out
-// (fp8_bf16_layout_slot).  NaN codes look up a NaN.  A scale block's rounds sum in float32 lanes,
+// (bf16_layout_slot).  NaN codes look up a NaN.  A scale block's rounds sum in float32 lanes,
 // which then take the block's scale in one multiply-add.
 struct E4m3Bf16Tables {
   __m512i low[2], high[2];  // the low and the high bytes of magnitudes 0..127's bfloat16 bits
