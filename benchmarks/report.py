@@ -727,7 +727,7 @@ more tokens dequantize each busy expert's matrices once for all its rows.
 `benchmarks/quantized_experts.py` times the call in the three formats against bfloat16 and the
 floor of reading the chosen experts' bytes once, at gpt-oss-20b's and Qwen3-30B-A3B's layer
 shapes, on both sides of the line.  The line is the operator's range (what it is made and tested
-for), not a measured crossover; the script's figures are to be recorded here.
+for), not a measured crossover; the script's figures are under "Quantized experts on the CPU" below.
 
 ### Routing on the CPU
 
