@@ -125,7 +125,7 @@ at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor
     return out;
   }
   const bool wide = rows.scalar_type() == at::kFloat;
-  const at::Tensor x = wide ? a.rows : a.rows.narrow(0, 0, grouped).to(at::kFloat);
+  const at::Tensor x = wide ? a.rows : to_dtype_reusable(a.rows.narrow(0, 0, grouped), at::kFloat);
   at::Tensor y = wide ? out : empty_reusable({grouped, outputs}, rows.options().dtype(at::kFloat));
   gemm::quantized_float_products(products_of<float>(a, x, y), strip_kernels_in_force());
   if (!wide) out.narrow(0, 0, grouped).copy_(y);

@@ -50,6 +50,10 @@ at::Tensor empty_reusable(at::IntArrayRef sizes, const at::TensorOptions& option
                                    c10::typeMetaToScalarType(options.dtype()), c10::nullopt);
 }
 
+at::Tensor to_dtype_reusable(const at::Tensor& x, at::ScalarType dtype) {
+  return empty_reusable(x.sizes(), x.options().dtype(dtype)).copy_(x);
+}
+
 void register_buffer_functions(pybind11::module_& m) {
   m.def(
       "_host_cache_stats",

@@ -11,5 +11,8 @@ namespace ops {
 // block cache and go back to it when the tensor is freed.
 at::Tensor empty_reusable(at::IntArrayRef sizes, const at::TensorOptions& options);
 
+// x.to(dtype) as a contiguous copy in a buffer from empty_reusable.
+at::Tensor to_dtype_reusable(const at::Tensor& x, at::ScalarType dtype);
+
 }  // namespace ops
 }  // namespace tutel

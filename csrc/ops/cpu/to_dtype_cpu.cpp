@@ -9,16 +9,8 @@
 
 namespace tutel {
 namespace ops {
-namespace {
 
-at::Tensor to_dtype_cpu(const at::Tensor& x, at::ScalarType dtype) {
-  at::Tensor out = empty_reusable(x.sizes(), x.options().dtype(dtype));
-  return out.copy_(x);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(tutel, CPU, m) { m.impl("to_dtype", &to_dtype_cpu); }
+TORCH_LIBRARY_IMPL(tutel, CPU, m) { m.impl("to_dtype", &to_dtype_reusable); }
 
 }  // namespace ops
 }  // namespace tutel
