@@ -133,4 +133,5 @@ def run_quantized(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[t
                                   f"under torch.no_grad() or torch.inference_mode() (generate() does), or train on "
                                   f"dequantized experts")
     path = choose_path(EXPERTS, facts).path
-    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y.to(x.dtype)
+    y = run(path, Work(x, experts, expert_ids=expert_ids, weights=weights)).y
+    return y if y.dtype == x.dtype else y.to(x.dtype)  # (.to costs a dispatch even with nothing to do)

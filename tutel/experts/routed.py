@@ -202,7 +202,8 @@ def run_routed(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torc
             path = _KEPT_PATHS[key] = choose_path(EXPERTS, experts_facts(x, expert_ids, weights, experts)).path
         if path in _STAGED_PATHS:  # nothing records or traces: the stages call the operators directly
             ops = operators_for(x.device)
-    return run(path, Work(x, experts, expert_ids=expert_ids, weights=weights, ops=ops)).y.to(out_dtype)
+    y = run(path, Work(x, experts, expert_ids=expert_ids, weights=weights, ops=ops)).y
+    return y if y.dtype == out_dtype else y.to(out_dtype)  # (.to costs a dispatch even with nothing to do)
 
 
 # The paths of inference calls by what their facts read (run_routed); bounded, as prefills of
