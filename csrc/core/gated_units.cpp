@@ -127,12 +127,18 @@ void gated_backward(const GatedUnit& unit, const GatedRows<T>& rows) {
   run_rows(chosen_kernels<T>().backward, unit, rows);
 }
 
+template <class T>
+void gated_forward_here(const GatedUnit& unit, const GatedRows<T>& rows) {
+  if (rows.rows > 0 && rows.width > 0) chosen_kernels<T>().forward(unit, rows, 0, rows.rows);
+}
+
 #define TUTEL_INSTANTIATE_GATED(T)                                                                     \
   template void portable_forward_units<T>(const GatedUnit&, const GatedRows<T>&, int64_t, int64_t);  \
   template void portable_backward_units<T>(const GatedUnit&, const GatedRows<T>&, int64_t, int64_t); \
   template const GatedKernels<T>& portable_gated_kernels<T>();                 \
   template void gated_forward<T>(const GatedUnit&, const GatedRows<T>&);       \
-  template void gated_backward<T>(const GatedUnit&, const GatedRows<T>&);
+  template void gated_backward<T>(const GatedUnit&, const GatedRows<T>&);      \
+  template void gated_forward_here<T>(const GatedUnit&, const GatedRows<T>&);
 TUTEL_INSTANTIATE_GATED(float)
 TUTEL_INSTANTIATE_GATED(double)
 TUTEL_INSTANTIATE_GATED(bfloat16)

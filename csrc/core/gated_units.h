@@ -153,5 +153,10 @@ void gated_forward(const GatedUnit& unit, const GatedRows<T>& rows);
 template <class T>
 void gated_backward(const GatedUnit& unit, const GatedRows<T>& rows);
 
+// h for every row on the calling thread, with the kernels gated_forward runs: for callers that
+// split their own work over the threads (the quantized decode's gate/up pass).
+template <class T>
+void gated_forward_here(const GatedUnit& unit, const GatedRows<T>& rows);
+
 }  // namespace core
 }  // namespace tutel

@@ -219,8 +219,12 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
   const bool interleaved = gated && call.unit.gated.interleaved;
   const int64_t blocks = (inter + kUnitsPerItem - 1) / kUnitsPerItem;
   const int64_t items = int64_t(plan.active.size()) * blocks;
+  // The gated unit's gates and ups are gathered per item ([count tokens][gates | ups], kUnitsPerItem
+  // each), its values then taken in one vector pass, as the grouped path's unit takes them.
+  GatedUnit gathered = call.unit.gated;
+  gathered.interleaved = false;
   parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
-    std::vector<float> dots;
+    std::vector<float> dots, gates_ups, values;
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t a = item / blocks, unit_begin = (item % blocks) * kUnitsPerItem;
       const int64_t unit_end = std::min(inter, unit_begin + kUnitsPerItem);
@@ -228,6 +232,10 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
       const int count = int(plan.starts[size_t(a) + 1] - first);
       const float* bias = call.gate_up_bias ? call.gate_up_bias + expert * call.gate_up.rows : nullptr;
       dots.resize(size_t(2 * count));
+      if (gated) {
+        gates_ups.resize(size_t(count * 2 * kUnitsPerItem));
+        values.resize(size_t(count * kUnitsPerItem));
+      }
       // Gated: the unit's gate and up rows; up-only: two units' rows at a time.
       const int64_t step = gated ? 1 : 2;
       for (int64_t i = unit_begin; i < unit_end; i += step) {
@@ -243,16 +251,33 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
         }
         token_rows(call.gate_up, expert, rows, row_count, first, count, dots.data());
         for (int v = 0; v < count; ++v) {
-          float* h_row = h + (first + v) * h_stride;
           if (gated) {
-            const float g = dots[size_t(v)] + (bias ? bias[rows[0]] : 0.0f);
-            const float u = dots[size_t(count + v)] + (bias ? bias[rows[1]] : 0.0f);
-            h_row[i] = in_storage_type<T>(expert_unit_value(call.unit, g, u));
+            float* gate_up = gates_ups.data() + v * 2 * kUnitsPerItem;
+            gate_up[i - unit_begin] = dots[size_t(v)] + (bias ? bias[rows[0]] : 0.0f);
+            gate_up[kUnitsPerItem + i - unit_begin] = dots[size_t(count + v)] + (bias ? bias[rows[1]] : 0.0f);
           } else {
+            float* h_row = h + (first + v) * h_stride;
             for (int r = 0; r < row_count; ++r) {
               const float u = dots[size_t(r * count + v)] + (bias ? bias[rows[r]] : 0.0f);
-              h_row[rows[r]] = in_storage_type<T>(expert_unit_value(call.unit, 0.0f, u));
+              h_row[rows[r]] = in_storage_type<T>(up_only_unit_value(call.unit.activation, u));
             }
+          }
+        }
+      }
+      if (gated) {
+        GatedRows<float> units{};
+        units.gate = gates_ups.data();
+        units.up = gates_ups.data() + kUnitsPerItem;
+        units.gate_stride = units.up_stride = 2 * kUnitsPerItem;
+        units.out = values.data();
+        units.out_stride = kUnitsPerItem;
+        units.rows = count;
+        units.width = unit_end - unit_begin;
+        gated_forward_here(gathered, units);
+        for (int v = 0; v < count; ++v) {
+          float* h_row = h + (first + v) * h_stride;
+          for (int64_t i = unit_begin; i < unit_end; ++i) {
+            h_row[i] = in_storage_type<T>(values[size_t(v * kUnitsPerItem + i - unit_begin)]);
           }
         }
       }
@@ -298,18 +323,10 @@ void down_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
 
 }  // namespace
 
-float expert_unit_value(const ExpertUnit& unit, float g, float u) {
-  switch (unit.activation) {
-    case ExpertActivation::kGated: {
-      const GatedUnit& p = unit.gated;
-      if (p.clamped) {
-        const float limit = float(p.limit);
-        g = std::min(g, limit);                   // NaN stays NaN, as PyTorch's clamp
-        u = std::max(std::min(u, limit), -limit);
-      }
-      const float s = 1.0f / (1.0f + std::exp(-float(p.alpha) * g));
-      return (u + float(p.up_offset)) * g * s;
-    }
+float up_only_unit_value(ExpertActivation activation, float u) {
+  switch (activation) {
+    case ExpertActivation::kGated:
+      break;  // (gated units take gated_forward_here)
     case ExpertActivation::kGelu:
       return 0.5f * u * (1.0f + std::erf(u * 0.70710678118654752f));
     case ExpertActivation::kGeluTanh:

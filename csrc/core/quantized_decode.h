@@ -196,9 +196,9 @@ struct QuantizedDecodeCall {
 template <class T>
 void decode_quantized_experts(const QuantizedDecodeCall<T>& call, const QuantKernels& kernels);
 
-// The unit's value at gate g and up u (g unused by the up-only units), in float32: both kernel
-// sets apply it the same way.
-float expert_unit_value(const ExpertUnit& unit, float g, float u);
+// An up-only unit's value at u, in float32, whichever kernels computed u (the gated units take
+// gated_forward_here, as the grouped path does).
+float up_only_unit_value(ExpertActivation activation, float u);
 
 }  // namespace core
 }  // namespace tutel
