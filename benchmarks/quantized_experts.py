@@ -17,6 +17,14 @@ tutel's bfloat16 call); the targets of the quantized path are judged in ``target
   least 1.7x faster than bfloat16;
 * T = 2048: every format within 1.15x of the bfloat16 time.
 
+A 1 GiB read runs faster than the tens of MB a decoding step reads: the stream is long enough for
+the prefetchers to reach full speed and the call's fixed cost is spread over more bytes.  Up to
+SAME_SIZE_READ_TOKENS tokens the run therefore also times, among the candidates and from the same
+cold caches, a sum over as many bytes as each candidate's chosen experts hold (one PyTorch call, as
+each candidate is): <name>_read_ms, <name>/read = <name>_ms / <name>_read_ms, and
+bf16/<name>_read = bf16_ms / <name>_read_ms, the most a call that reads those bytes once, and does
+nothing else, could be faster than tutel's bfloat16 call on this machine.
+
 The quantized stacks hold random codes and scales of moderate size: the time does not depend on
 the values (tests/python hold the values to float64 references).
 
@@ -78,6 +86,7 @@ FORMATS = ("mxfp4", "nvfp4", "fp8_block")
 FP8_BLOCK = (128, 128)
 TRANSFORMERS = ("eager", "grouped_mm")
 TOKEN_COUNTS = (1, 16, 2048)
+SAME_SIZE_READ_TOKENS = 16  # the decoding sizes, whose reads are short
 SMOKE_TOKEN_COUNTS = (1, 3, 40)
 # (the fp4 formats take rows of whole 32-element blocks)
 SMOKE_SIZES = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32)
@@ -87,7 +96,8 @@ TARGETS = [(1, "mxfp4", 3.0, "bf16/mxfp4 >="), (1, "mxfp4", 1.3, "mxfp4/limit <=
           [(2048, f, 1.15, f"{f}/bf16 <=") for f in FORMATS]
 COLUMNS = ["model", "T", "experts_read", "bf16_ms", "bf16/limit"] + \
     [f"hf_{name}_ms" for name in TRANSFORMERS] + \
-    [column for f in FORMATS for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + ["read_gbps", "foreign_cpus"]
+    [column for f in FORMATS for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + \
+    ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "read_gbps", "foreign_cpus"]
 
 #: The CUDA targets: (tokens, None = every T; the layer's own format fills {own}; bound; what).
 CUDA_TARGETS = [(1, None, 1.5, "{own}_graph/limit <="), (None, None, 1.2, "best_hf_fp8/tutel >="),
@@ -213,15 +223,19 @@ def time_layer(layer: Layer, token_counts: Sequence[int], reps: int, smoke: bool
                 experts(x, ids, weights)
             return run
 
+        experts_read = int(ids.unique().numel())
         candidates = {"bf16": bf16_call(layer, w, x, ids, weights),
                       **{f"hf_{name}": transformers_call(name) for name in TRANSFORMERS},
                       **{f: quantized_call(layer, w, f, x, ids, weights) for f in FORMATS},
                       "read_probe": read_buffer.sum}
+        same_size = ("bf16",) + FORMATS if tokens <= SAME_SIZE_READ_TOKENS else ()
+        for name in same_size:  # float32 ones: a sum with no NaN or subnormal to slow it
+            candidates[f"read_{name}"] = torch.ones(max(1, experts_read * w.bytes_per_expert[name] // 4)).sum
         runs = max(5, reps // 3) if tokens > 256 else reps  # prefill calls vary more from run to run
         with torch.inference_mode():
             times = interleaved_medians(candidates, runs, warmup=1, before_each=reset)
+        del candidates
         read_bytes_per_s = read_buffer.numel() * read_buffer.element_size() / times["read_probe"]
-        experts_read = int(ids.unique().numel())
         row = {"model": layer.model, "T": tokens, "k": w.k, "E": w.num_experts, "H": w.hidden, "I": w.inter,
                "experts_read": experts_read, "read_gbps": read_bytes_per_s / 1e9, "foreign_cpus": times.foreign_cpus}
         for name in TRANSFORMERS:
@@ -233,6 +247,12 @@ def time_layer(layer: Layer, token_counts: Sequence[int], reps: int, smoke: bool
             if name != "bf16":
                 row[f"bf16/{name}"] = times["bf16"] / times[name]
                 row[f"{name}/bf16"] = times[name] / times["bf16"]
+            if name in same_size:
+                read_s = times[f"read_{name}"]
+                row[f"{name}_read_ms"] = read_s * 1e3
+                row[f"{name}/read"] = times[name] / read_s
+                if name != "bf16":
+                    row[f"bf16/{name}_read"] = times["bf16"] / read_s
         rows.append(row)
     return rows
 

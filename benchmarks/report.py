@@ -972,7 +972,8 @@ def quantized_experts_section(result: dict) -> str:
     m = result["machine"]
     columns = ["model", "T", "experts_read", "bf16_ms", "bf16/limit", "hf_eager_ms", "hf_grouped_mm_ms"] + \
         [column for f in ("mxfp4", "nvfp4", "fp8_block") for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + \
-        ["read_gbps"]
+        ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "read_gbps"]
+    columns = present_columns(result["rows"], columns)
     targets = [{"model": t["model"], "T": t["T"], "target": t["target"], "value": t["value"],
                 "met": "yes" if t["met"] else "**no**"} for t in result["targets"]]
     return ("## Quantized experts on the CPU (`benchmarks/quantized_experts.py`)\n\n"
@@ -982,7 +983,10 @@ def quantized_experts_section(result: dict) -> str:
             "(weight-only), `routed_experts` on the same layer in bfloat16 (*bf16*), and transformers' own "
             "experts in bfloat16 (*hf_eager*, *hf_grouped_mm*).  *limit*: the bytes of the distinct experts the "
             "tokens chose, in each candidate's format, over the read bandwidth measured in the same run; "
-            "*bf16/X*: how many times faster X is than tutel's bfloat16 call.  Every timed call starts on cold "
+            "*bf16/X*: how many times faster X is than tutel's bfloat16 call.  At T <= 16 the run also times a sum "
+            "over as many bytes as the call's chosen experts hold (*X/read*: X's time over that read's; "
+            "*bf16/X_read*: bf16's time over it, the most a call reading X's bytes once could gain over "
+            "bf16 here).  Every timed call starts on cold "
             f"caches.  Measured on: {m['cpu']} ({m['logical_cpus']} logical CPUs, {m['torch_threads']} threads); "
             f"torch {m['torch']}; finished {result.get('finished', '?')}.\n\n"
             + format_table(result["rows"], columns) + "\n\nTargets:\n\n"
