@@ -17,13 +17,13 @@ tutel's bfloat16 call); the targets of the quantized path are judged in ``target
   least 1.7x faster than bfloat16;
 * T = 2048: every format within 1.15x of the bfloat16 time.
 
-A 1 GiB read runs faster than the tens of MB a decoding step reads: the stream is long enough for
-the prefetchers to reach full speed and the call's fixed cost is spread over more bytes.  Up to
-SAME_SIZE_READ_TOKENS tokens the run therefore also times, among the candidates and from the same
-cold caches, a sum over as many bytes as each candidate's chosen experts hold (one PyTorch call, as
-each candidate is): <name>_read_ms, <name>/read = <name>_ms / <name>_read_ms, and
-bf16/<name>_read = bf16_ms / <name>_read_ms, the most a call that reads those bytes once, and does
-nothing else, could be faster than tutel's bfloat16 call on this machine.
+A read's speed depends on its length (the prefetchers' ramp, the call's fixed cost, the pages it
+walks), and a decoding step reads tens of MB, not a GiB.  Up to SAME_SIZE_READ_TOKENS tokens the run
+therefore also times, among the candidates and from the same cold caches, a sum over as many bytes
+as each candidate's chosen experts hold (one PyTorch call, as each candidate is): <name>_read_ms,
+<name>/read = <name>_ms / <name>_read_ms, and bf16/<name>_read = bf16_ms / <name>_read_ms, the most
+a call that reads those bytes once, and does nothing else, could be faster than tutel's bfloat16
+call on this machine.
 
 The quantized stacks hold random codes and scales of moderate size: the time does not depend on
 the values (tests/python hold the values to float64 references).
