@@ -220,11 +220,12 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
   const int64_t blocks = (inter + kUnitsPerItem - 1) / kUnitsPerItem;
   const int64_t items = int64_t(plan.active.size()) * blocks;
   // The gated unit's gates and ups are gathered per item ([count tokens][gates | ups], kUnitsPerItem
-  // each), its values then taken in one vector pass, as the grouped path's unit takes them.
+  // each), its values then taken in one vector pass into h, as the grouped path's unit takes them,
+  // and rounded to the tokens' dtype there.
   GatedUnit gathered = call.unit.gated;
   gathered.interleaved = false;
   parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
-    std::vector<float> dots, gates_ups, values;
+    std::vector<float> dots, gates_ups;
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t a = item / blocks, unit_begin = (item % blocks) * kUnitsPerItem;
       const int64_t unit_end = std::min(inter, unit_begin + kUnitsPerItem);
@@ -232,10 +233,7 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
       const int count = int(plan.starts[size_t(a) + 1] - first);
       const float* bias = call.gate_up_bias ? call.gate_up_bias + expert * call.gate_up.rows : nullptr;
       dots.resize(size_t(2 * count));
-      if (gated) {
-        gates_ups.resize(size_t(count * 2 * kUnitsPerItem));
-        values.resize(size_t(count * kUnitsPerItem));
-      }
+      if (gated) gates_ups.resize(size_t(count * 2 * kUnitsPerItem));
       // Gated: the unit's gate and up rows; up-only: two units' rows at a time.
       const int64_t step = gated ? 1 : 2;
       for (int64_t i = unit_begin; i < unit_end; i += step) {
@@ -269,16 +267,14 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
         units.gate = gates_ups.data();
         units.up = gates_ups.data() + kUnitsPerItem;
         units.gate_stride = units.up_stride = 2 * kUnitsPerItem;
-        units.out = values.data();
-        units.out_stride = kUnitsPerItem;
+        units.out = h + first * h_stride + unit_begin;
+        units.out_stride = h_stride;
         units.rows = count;
         units.width = unit_end - unit_begin;
         gated_forward_here(gathered, units);
         for (int v = 0; v < count; ++v) {
           float* h_row = h + (first + v) * h_stride;
-          for (int64_t i = unit_begin; i < unit_end; ++i) {
-            h_row[i] = in_storage_type<T>(values[size_t(v * kUnitsPerItem + i - unit_begin)]);
-          }
+          for (int64_t i = unit_begin; i < unit_end; ++i) h_row[i] = in_storage_type<T>(h_row[i]);
         }
       }
     }
