@@ -20,7 +20,8 @@ The call runs on the experts entry's paths (tutel.rules.paths).  Up to 32 tokens
 (tutel.rules.lines.QUANTIZED_DECODE_MAX_TOKENS) of float32 / bfloat16 / float16 with weight-only
 activations, a GatedUnit (``"swiglu"``) or an up-only F.gelu / F.relu / nn.GELU / nn.ReLU, and
 no gate stack of its own, one call of tutel's decode_quantized_experts operator reads each chosen
-expert's packed codes once, keeping the units' values in float32 (the ``quantized_decode`` fact).
+expert's packed codes once, summing in float32 and keeping the units' values in the tokens' dtype
+between the products (the ``quantized_decode`` fact).
 Otherwise the choices are sorted by expert, and on the CPU the kept rows run in bounded pieces,
 each piece's outputs weighted and added up; on CUDA the rows are grouped by expert on the device
 (group_by_expert), both products run tutel's quantized_grouped_linear over all of them (the group
