@@ -232,13 +232,16 @@ FORMAT_CASES = {
     "fp8_round_blocks": ("fp8_block", 200, 67, 130, (64, 64)),
     "fp8_half_round_blocks": ("fp8_block", 96, 45, 40, (32, 32)),
 }
+# Long rows: 517 blocks of 32 (hundreds of scales per row, the last round of one block) up, and 96
+# columns (one round of two blocks, one of one) down.
+LONG_ROWS = {"mxfp4_long_rows": ("mxfp4", 32 * 517, 96, 40, None)}
 TOKEN_COUNTS = [0, 1, 3, 17, 32]
 EXPERT_COUNTS = [1, 64]
 
 
 class Problem:
     def __init__(self, case, unit, dtype, tokens, experts, seed, k=None, with_weights=True):
-        format, hidden, inter, outputs, block = FORMAT_CASES[case]
+        format, hidden, inter, outputs, block = {**FORMAT_CASES, **LONG_ROWS}[case]
         gen = torch.Generator().manual_seed(seed)
         self.format, self.block, self.unit, self.dtype = format, block, unit, dtype
         up_rows = inter if isinstance(unit, str) else 2 * inter
@@ -298,6 +301,14 @@ def test_against_the_float64_reference(case, unit_name, dtype):
             check(problem, kernels)
 
 
+@pytest.mark.parametrize("unit", [SWIGLU, GPT_OSS], ids=["swiglu", "gpt_oss"])
+def test_rows_of_hundreds_of_scale_blocks(unit):
+    for tokens in (1, 3):
+        problem = Problem("mxfp4_long_rows", unit, torch.bfloat16, tokens, 2, seed=tokens, k=2)
+        for kernels in KERNEL_SETS:
+            check(problem, kernels)
+
+
 @pytest.mark.parametrize("k", range(1, 9))
 def test_every_k_without_routing_weights(k):
     for case in ("mxfp4", "fp8_block"):
@@ -351,7 +362,7 @@ def test_nan_codes_reach_the_outputs_of_their_tokens(kernels, dtype):
     expected = torch.zeros_like(got, dtype=torch.bool)
     expected[uses[after], 0] = True
     assert torch.equal(torch.isnan(got), expected)
-    scales = Problem("mxfp4", "relu", torch.float32, 4, 8, seed=3, k=2)
+    scales = Problem("mxfp4", "relu", dtype, 4, 8, seed=3, k=2)
     scales.down.scales[int(scales.expert_ids[0, 0])] = 255  # E8M0 NaN: every down row of the expert
     with using_quantized_decode_kernels(kernels):
         assert torch.isnan(scales.run()[0]).all()
