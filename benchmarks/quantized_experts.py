@@ -23,7 +23,10 @@ therefore also times, among the candidates and from the same cold caches, a sum 
 as each candidate's chosen experts hold (one PyTorch call, as each candidate is): <name>_read_ms,
 <name>/read = <name>_ms / <name>_read_ms, and bf16/<name>_read = bf16_ms / <name>_read_ms, the most
 a call that reads those bytes once, and does nothing else, could be faster than tutel's bfloat16
-call on this machine.
+call on this machine.  At the same sizes each tutel call is also timed on one thread
+(torch.set_num_threads(1) around the call): <name>_one_thread_ms, and <name>_threads = its ratio to
+<name>_ms, the speed the machine's other threads add.  A call that waits on memory gains little from
+them; one held back by its instructions (decoding the codes) gains nearly their number.
 
 The quantized stacks hold random codes and scales of moderate size: the time does not depend on
 the values (tests/python hold the values to float64 references).
@@ -97,7 +100,8 @@ TARGETS = [(1, "mxfp4", 3.0, "bf16/mxfp4 >="), (1, "mxfp4", 1.3, "mxfp4/limit <=
 COLUMNS = ["model", "T", "experts_read", "bf16_ms", "bf16/limit"] + \
     [f"hf_{name}_ms" for name in TRANSFORMERS] + \
     [column for f in FORMATS for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + \
-    ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "read_gbps", "foreign_cpus"]
+    ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "bf16_threads", "mxfp4_threads",
+     "read_gbps", "foreign_cpus"]
 
 #: The CUDA targets: (tokens, None = every T; the layer's own format fills {own}; bound; what).
 CUDA_TARGETS = [(1, None, 1.5, "{own}_graph/limit <="), (None, None, 1.2, "best_hf_fp8/tutel >="),
@@ -208,6 +212,18 @@ def quantized_call(layer: Layer, w: LayerWeights, format: str, x, ids, routing_w
                                             down_bias=w.biases[1])
 
 
+def on_one_thread(call: Callable[[], object]) -> Callable[[], object]:
+    """`call` run with PyTorch's (and so tutel's) intra-op threads set to one."""
+    def run():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            call()
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
 def time_layer(layer: Layer, token_counts: Sequence[int], reps: int, smoke: bool,
                read_buffer: torch.Tensor) -> List[Dict[str, object]]:
     w = layer_weights(layer, smoke)
@@ -231,6 +247,7 @@ def time_layer(layer: Layer, token_counts: Sequence[int], reps: int, smoke: bool
         same_size = ("bf16",) + FORMATS if tokens <= SAME_SIZE_READ_TOKENS else ()
         for name in same_size:  # float32 ones: a sum with no NaN or subnormal to slow it
             candidates[f"read_{name}"] = torch.ones(max(1, experts_read * w.bytes_per_expert[name] // 4)).sum
+            candidates[f"{name}_one_thread"] = on_one_thread(candidates[name])
         runs = max(5, reps // 3) if tokens > 256 else reps  # prefill calls vary more from run to run
         with torch.inference_mode():
             times = interleaved_medians(candidates, runs, warmup=1, before_each=reset)
@@ -253,6 +270,8 @@ def time_layer(layer: Layer, token_counts: Sequence[int], reps: int, smoke: bool
                 row[f"{name}/read"] = times[name] / read_s
                 if name != "bf16":
                     row[f"bf16/{name}_read"] = times["bf16"] / read_s
+                row[f"{name}_one_thread_ms"] = times[f"{name}_one_thread"] * 1e3
+                row[f"{name}_threads"] = times[f"{name}_one_thread"] / times[name]
         rows.append(row)
     return rows
 
