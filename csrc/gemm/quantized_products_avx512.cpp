@@ -6,6 +6,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+#include <vector>
+
 #include "quantized_products.h"
 #include "quantized_steps_avx512.h"
 
@@ -106,11 +108,30 @@ TUTEL_AVX512 void avx512_multiply_strip(const float* x, int64_t x_stride, int64_
   }
 }
 
+// The float strip (decode_strip's, in a buffer of the thread) rounded to bfloat16 row by row.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) void avx512_bf16_decode_strip(
+    const core::QuantizedMatrix& w, int64_t expert, int64_t o, uint16_t* strip, int64_t ld) {
+  static thread_local std::vector<float> wide;
+  if (wide.size() < size_t(w.cols * kStrip)) wide.resize(size_t(w.cols * kStrip));
+  avx512_decode_strip(w, expert, o, wide.data());
+  static_assert(kStrip == 32, "one conversion of two float vectors per row of the strip");
+  for (int64_t k = 0; k < w.cols; ++k) {
+    const float* row = wide.data() + k * kStrip;
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
+    _mm512_storeu_si512(strip + k * ld, (__m512i)pairs);
+  }
+}
+
 }  // namespace
 
 const QuantizedStripKernels* avx512_strip_kernels() {
   static const QuantizedStripKernels kernels{&avx512_decode_strip, &avx512_multiply_strip, "avx512"};
   return avx512::cpu_has_avx512() ? &kernels : nullptr;
+}
+
+QuantizedStripToBf16 avx512_bf16_strip_decoder() {
+  static const bool supported = avx512::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return supported ? &avx512_bf16_decode_strip : nullptr;
 }
 
 }  // namespace gemm
@@ -122,6 +143,8 @@ namespace tutel {
 namespace gemm {
 
 const QuantizedStripKernels* avx512_strip_kernels() { return nullptr; }
+
+QuantizedStripToBf16 avx512_bf16_strip_decoder() { return nullptr; }
 
 }  // namespace gemm
 }  // namespace tutel

@@ -1,6 +1,6 @@
-"""The run-time choice among a compiled CPU operator's kernel sets ("amx", "avx512", "avx2",
-"portable"): the widest the CPU runs by default, any other it runs on request, for tests that hold
-every set to the same reference and for measurements that compare them."""
+"""The run-time choice among a compiled CPU operator's kernel sets ("amx", "avx512_bf16", "avx512",
+"avx2", "portable"): the widest the CPU runs by default, any other it runs on request, for tests that
+hold every set to the same reference and for measurements that compare them."""
 import contextlib
 from typing import Iterator, Tuple
 

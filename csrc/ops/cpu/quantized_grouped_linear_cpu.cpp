@@ -1,21 +1,27 @@
 // quantized_grouped_linear on CPU: the operator's checks, then the quantized products of
-// gemm/quantized_products.h: the tile products for bfloat16 rows where the CPU has AMX, the float
-// products otherwise (16-bit rows widened to float32 first and the results rounded back), with the
-// kernels in force: the widest this CPU runs, unless tutel._C._set_quantized_linear_kernels chose
+// gemm/quantized_products.h: the tile products for bfloat16 rows where the CPU has AMX, strips
+// decoded to bfloat16 and multiplied by PyTorch's bfloat16 GEMM where it has AVX512-BF16 but not
+// AMX, the float products otherwise (16-bit rows widened to float32 first and the results rounded
+// back), with the kernels in force: the widest this CPU runs, unless tutel._C._set_quantized_linear_kernels chose
 // others (as the tests do, to check every kernel set this CPU has).  W8A8 (activation_group > 0):
 // the grouped rows quantized and dequantized into a float32 buffer first (core/activation_quant.h,
 // in parallel over the rows), then the float products, whatever the rows' dtype.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "../../core/activation_quant.h"
 #include "../../gemm/quantized_products.h"
+#include "../../gemm/work_balance.h"
 #include "../core_types.h"
 #include "../quantized_grouped_linear_args.h"
 #include "reusable_buffers.h"
@@ -25,12 +31,15 @@ namespace ops {
 namespace {
 
 constexpr const char* kTiles = "amx";
+constexpr const char* kBf16Gemm = "avx512_bf16";
 
 // The kernel sets this CPU runs, widest first: "amx" (the tile products for bfloat16 rows; other
-// rows take the widest float kernels), then the float kernels.
+// rows take the widest float kernels), "avx512_bf16" (bfloat16 rows: strips in bfloat16 through
+// PyTorch's GEMM; other rows as under "avx512"), then the float kernels.
 std::vector<std::string> available_sets() {
   std::vector<std::string> sets;
   if (gemm::quantized_tile_products_available()) sets.push_back(kTiles);
+  if (gemm::avx512_bf16_strip_decoder() != nullptr) sets.push_back(kBf16Gemm);
   if (gemm::avx512_strip_kernels() != nullptr) sets.push_back(gemm::avx512_strip_kernels()->name);
   sets.push_back(gemm::portable_strip_kernels().name);
   return sets;
@@ -100,6 +109,85 @@ at::Tensor quantized_activations(const QuantizedGroupedLinearArgs& a, int64_t gr
   return x;
 }
 
+// Outputs per work item of the bfloat16 GEMM products: a few float-product strips side by side, so
+// that each GEMM is wide enough for PyTorch's kernels while its strip stays in the core's cache.
+constexpr int64_t kGemmStripOutputs = 4 * gemm::kQuantizedStripOutputs;
+
+// b as three bfloat16 parts whose float32 sum is b (each part the rounding of what the parts before
+// it left; 24 bits in three of 8); an infinite or NaN b as itself and two zeros.
+void bias_parts(float b, uint16_t (&parts)[3]) {
+  float rest = b;
+  for (int i = 0; i < 3; ++i) {
+    const c10::BFloat16 part(std::isfinite(b) || i == 0 ? rest : 0.0f);
+    parts[i] = part.x;
+    rest -= float(part);
+  }
+}
+
+// The products for bfloat16 rows under "avx512_bf16".  Each work item (an expert and a strip of
+// kGemmStripOutputs outputs) has its strip decoded exactly and rounded once to bfloat16, as the tile
+// products round it, into a [width, kGemmStripOutputs] buffer of its thread, and the expert's rows
+// times it go through one single-threaded PyTorch GEMM (float32 sums, rounded once into `out`; the
+// threads claim the items, longest first).  A bias enters those sums as three bfloat16 parts in rows
+// inner .. inner + 2 of the strip, met by columns of ones appended to a copy of the rows, so that it
+// is added in float32 as the other products add it; width is then inner + 3 rounded up to 8 (zeros).
+void bf16_gemm_products(const QuantizedGroupedLinearArgs& a, at::Tensor& out) {
+  const core::QuantizedMatrix w = matrix_of(a);
+  const int64_t inner = w.cols, outputs = w.rows, grouped = a.offsets.back();
+  const float* bias = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
+  const int64_t width = bias ? (inner + 3 + 7) / 8 * 8 : inner;
+  at::Tensor x = a.rows.narrow(0, 0, grouped);
+  if (bias) {
+    at::Tensor widened = at::zeros({grouped, width}, a.rows.options());
+    widened.narrow(1, 0, inner).copy_(x);
+    widened.narrow(1, inner, 3).fill_(1);
+    x = widened;
+  }
+  const std::vector<gemm::QuantizedItem> items =
+      gemm::quantized_items(a.offsets.data(), a.experts, outputs, kGemmStripOutputs);
+  if (items.empty()) return;
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+  gemm::WorkQueue queue(std::move(order));
+  const gemm::QuantizedStripToBf16 decode = gemm::avx512_bf16_strip_decoder();
+  const auto claim_items = [&] {
+    static thread_local std::vector<uint16_t> strip;
+    if (strip.size() < size_t(width * kGemmStripOutputs)) strip.resize(size_t(width * kGemmStripOutputs));
+    for (int64_t claimed = queue.claim(); claimed >= 0; claimed = queue.claim()) {
+      const gemm::QuantizedItem& item = items[size_t(claimed)];
+      const int64_t first = a.offsets[size_t(item.expert)], rows = a.offsets[size_t(item.expert) + 1] - first;
+      const int64_t count = item.o_end - item.o_begin;
+      for (int64_t o = item.o_begin; o < item.o_end; o += gemm::kQuantizedStripOutputs) {
+        decode(w, item.expert, o, strip.data() + (o - item.o_begin), kGemmStripOutputs);
+      }
+      if (bias) {
+        std::fill(strip.begin() + inner * kGemmStripOutputs, strip.begin() + width * kGemmStripOutputs, uint16_t(0));
+        for (int64_t j = 0; j < count; ++j) {
+          uint16_t parts[3];
+          bias_parts(bias[item.expert * outputs + item.o_begin + j], parts);
+          for (int i = 0; i < 3; ++i) strip[size_t((inner + i) * kGemmStripOutputs + j)] = parts[i];
+        }
+      }
+      const at::Tensor right = at::from_blob(strip.data(), {width, count}, {kGemmStripOutputs, 1},
+                                             a.rows.options().dtype(at::kBFloat16));
+      at::Tensor products = out.narrow(0, first, rows).narrow(1, item.o_begin, count);
+      at::mm_out(products, x.narrow(0, first, rows), right);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
+  if (threads <= 1 || at::in_parallel_region()) {
+    claim_items();
+    return;
+  }
+  // As grouped_linear's GEMM pieces: the GEMMs inside the parallel region run single-threaded, in
+  // the calling thread's dispatch state.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    claim_items();
+  });
+}
+
 at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor& ends, c10::string_view format,
                                         const at::Tensor& codes, const at::Tensor& scales,
                                         const c10::optional<at::Tensor>& global_scale, at::IntArrayRef block,
@@ -124,6 +212,10 @@ at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor
     gemm::quantized_tile_products(products_of<core::bfloat16>(a, a.rows, out));
     return out;
   }
+  if (rows.scalar_type() == at::kBFloat16 && set_in_force() == kBf16Gemm) {
+    bf16_gemm_products(a, out);
+    return out;
+  }
   const bool wide = rows.scalar_type() == at::kFloat;
   const at::Tensor x = wide ? a.rows : to_dtype_reusable(a.rows.narrow(0, 0, grouped), at::kFloat);
   at::Tensor y = wide ? out : empty_reusable({grouped, outputs}, rows.options().dtype(at::kFloat));
@@ -137,7 +229,7 @@ at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor
 void register_quantized_linear_functions(pybind11::module_& m) {
   m.def(
       "_quantized_linear_kernels", [] { return set_in_force(); },
-      "The kernels quantized_grouped_linear runs on the CPU: 'amx', 'avx512' or 'portable'.");
+      "The kernels quantized_grouped_linear runs on the CPU: 'amx', 'avx512_bf16', 'avx512' or 'portable'.");
   m.def(
       "_quantized_linear_kernel_sets", [] { return available_sets(); },
       "The kernel sets this CPU runs, widest first.");
