@@ -12,9 +12,10 @@
 //   into B tiles (tile_gemm.h's packed [O, K] layout, amx_tiles.h), each decoded value rounded to
 //   bfloat16 once (nvfp4's scale and global scale applied first, in float32), and the token rows
 //   packed as A tiles go through the same tile loop as tile_products;
-// * bfloat16 strips (bfloat16 rows, where the CPU has AVX512-BF16 but not AMX): the strip is decoded
-//   as the float products decode it and rounded to bfloat16 (QuantizedStripToBf16), and the operator
-//   multiplies the rows with it in PyTorch's bfloat16 GEMM (ops/cpu/quantized_grouped_linear_cpu.cpp);
+// * bfloat16 strips (bfloat16 rows, where the CPU has AVX512-BF16 but not AMX): the strip's rows of W
+//   are decoded as the float products decode them and rounded to bfloat16 (QuantizedRowsToBf16), and
+//   the operator multiplies the rows with them in PyTorch's bfloat16 GEMM
+//   (ops/cpu/quantized_grouped_linear_cpu.cpp);
 // * float products (float32 and float16 rows, and bfloat16 rows on other CPUs; the operator widens
 //   16-bit rows first): the strip is decoded exactly in float32, as [K, 32 outputs], and a blocked
 //   FMA loop multiplies (AVX-512, or portable loops).
@@ -81,16 +82,16 @@ const QuantizedStripKernels& best_strip_kernels();
 // The float products of the call with `kernels`, over the threads.
 void quantized_float_products(const QuantizedGroupedProducts<float>& call, const QuantizedStripKernels& kernels);
 
-// Outputs [o, o + kQuantizedStripOutputs) of expert `expert` (zero past w.rows) decoded exactly as
-// the float products' decode_strip decodes them, each then rounded once to bfloat16 (to nearest
-// even; subnormal values become zero, as AVX512-BF16's conversion takes them): the bits of
-// W[expert, o + j, k] at strip[k * ld + j], for k < w.cols and j < kQuantizedStripOutputs.  For
-// bfloat16 rows that PyTorch's bfloat16 GEMM multiplies with the strips (ops/cpu).
-using QuantizedStripToBf16 = void (*)(const core::QuantizedMatrix& w, int64_t expert, int64_t o, uint16_t* strip,
-                                      int64_t ld);
+// Rows [o, o + count) of expert `expert`'s matrix (o + count <= w.rows) decoded exactly as the float
+// products decode them, each value then rounded once to bfloat16 (to nearest even; subnormal values
+// become zero, as AVX512-BF16's conversion takes them): the bits of W[expert, o + j, k] at
+// out[j * ld + k], for j < count and k < w.cols.  For bfloat16 rows that PyTorch's bfloat16 GEMM
+// multiplies with them (ops/cpu).
+using QuantizedRowsToBf16 = void (*)(const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t count,
+                                     uint16_t* out, int64_t ld);
 
 // The AVX-512 decoding with AVX512-BF16's conversion, or nullptr when this build or this CPU lacks it.
-QuantizedStripToBf16 avx512_bf16_strip_decoder();
+QuantizedRowsToBf16 avx512_bf16_rows_decoder();
 
 // Whether this build and CPU run the tile products (tile_products_available()).
 bool quantized_tile_products_available();

@@ -108,17 +108,32 @@ TUTEL_AVX512 void avx512_multiply_strip(const float* x, int64_t x_stride, int64_
   }
 }
 
-// The float strip (decode_strip's, in a buffer of the thread) rounded to bfloat16 row by row.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) void avx512_bf16_decode_strip(
-    const core::QuantizedMatrix& w, int64_t expert, int64_t o, uint16_t* strip, int64_t ld) {
-  static thread_local std::vector<float> wide;
-  if (wide.size() < size_t(w.cols * kStrip)) wide.resize(size_t(w.cols * kStrip));
-  avx512_decode_strip(w, expert, o, wide.data());
-  static_assert(kStrip == 32, "one conversion of two float vectors per row of the strip");
-  for (int64_t k = 0; k < w.cols; ++k) {
-    const float* row = wide.data() + k * kStrip;
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
-    _mm512_storeu_si512(strip + k * ld, (__m512i)pairs);
+// The rows, a 32-value step of every row at a time (the step's blocks found once), each step's
+// values rounded to bfloat16 by one conversion.
+template <core::QuantFormat F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) void decode_rows_bf16_of(
+    const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t count, uint16_t* out, int64_t ld) {
+  const core::ByteTables& tables = core::byte_tables();
+  std::vector<quantized_steps::RowCursor> rows(size_t(std::max<int64_t>(count, 0)));
+  for (int64_t j = 0; j < count; ++j) rows[size_t(j)] = quantized_steps::row_cursor(w, expert, o + j);
+  for (int64_t k = 0; k < w.cols; k += 32) {
+    const quantized_steps::Step step = quantized_steps::step_at(w, k);
+    const __mmask32 kept = step.count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << step.count) - 1u);
+    for (int64_t j = 0; j < count; ++j) {
+      __m512 values[2];
+      quantized_steps::decode_step<F>(tables, rows[size_t(j)], step, values);
+      _mm512_mask_storeu_epi16(out + j * ld + k, kept, (__m512i)_mm512_cvtne2ps_pbh(values[1], values[0]));
+    }
+  }
+}
+
+void avx512_bf16_decode_rows(const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t count,
+                             uint16_t* out, int64_t ld) {
+  switch (w.format) {
+    case core::QuantFormat::kMxfp4: return decode_rows_bf16_of<core::QuantFormat::kMxfp4>(w, expert, o, count, out, ld);
+    case core::QuantFormat::kNvfp4: return decode_rows_bf16_of<core::QuantFormat::kNvfp4>(w, expert, o, count, out, ld);
+    case core::QuantFormat::kFp8Block:
+      return decode_rows_bf16_of<core::QuantFormat::kFp8Block>(w, expert, o, count, out, ld);
   }
 }
 
@@ -129,9 +144,9 @@ const QuantizedStripKernels* avx512_strip_kernels() {
   return avx512::cpu_has_avx512() ? &kernels : nullptr;
 }
 
-QuantizedStripToBf16 avx512_bf16_strip_decoder() {
+QuantizedRowsToBf16 avx512_bf16_rows_decoder() {
   static const bool supported = avx512::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return supported ? &avx512_bf16_decode_strip : nullptr;
+  return supported ? &avx512_bf16_decode_rows : nullptr;
 }
 
 }  // namespace gemm
@@ -144,7 +159,7 @@ namespace gemm {
 
 const QuantizedStripKernels* avx512_strip_kernels() { return nullptr; }
 
-QuantizedStripToBf16 avx512_bf16_strip_decoder() { return nullptr; }
+QuantizedRowsToBf16 avx512_bf16_rows_decoder() { return nullptr; }
 
 }  // namespace gemm
 }  // namespace tutel

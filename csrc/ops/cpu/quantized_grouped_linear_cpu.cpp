@@ -39,7 +39,7 @@ constexpr const char* kBf16Gemm = "avx512_bf16";
 std::vector<std::string> available_sets() {
   std::vector<std::string> sets;
   if (gemm::quantized_tile_products_available()) sets.push_back(kTiles);
-  if (gemm::avx512_bf16_strip_decoder() != nullptr) sets.push_back(kBf16Gemm);
+  if (gemm::avx512_bf16_rows_decoder() != nullptr) sets.push_back(kBf16Gemm);
   if (gemm::avx512_strip_kernels() != nullptr) sets.push_back(gemm::avx512_strip_kernels()->name);
   sets.push_back(gemm::portable_strip_kernels().name);
   return sets;
@@ -109,9 +109,9 @@ at::Tensor quantized_activations(const QuantizedGroupedLinearArgs& a, int64_t gr
   return x;
 }
 
-// Outputs per work item of the bfloat16 GEMM products: a few float-product strips side by side, so
-// that each GEMM is wide enough for PyTorch's kernels while its strip stays in the core's cache.
-constexpr int64_t kGemmStripOutputs = 4 * gemm::kQuantizedStripOutputs;
+// Outputs per work item of the bfloat16 GEMM products: enough that each GEMM is wide enough for
+// PyTorch's kernels and the calls are few, while the decoded rows stay in the core's cache.
+constexpr int64_t kGemmStripOutputs = 256;
 
 // b as three bfloat16 parts whose float32 sum is b (each part the rounding of what the parts before
 // it left; 24 bits in three of 8); an infinite or NaN b as itself and two zeros.
@@ -124,13 +124,14 @@ void bias_parts(float b, uint16_t (&parts)[3]) {
   }
 }
 
-// The products for bfloat16 rows under "avx512_bf16".  Each work item (an expert and a strip of
-// kGemmStripOutputs outputs) has its strip decoded exactly and rounded once to bfloat16, as the tile
-// products round it, into a [width, kGemmStripOutputs] buffer of its thread, and the expert's rows
-// times it go through one single-threaded PyTorch GEMM (float32 sums, rounded once into `out`; the
-// threads claim the items, longest first).  A bias enters those sums as three bfloat16 parts in rows
-// inner .. inner + 2 of the strip, met by columns of ones appended to a copy of the rows, so that it
-// is added in float32 as the other products add it; width is then inner + 3 rounded up to 8 (zeros).
+// The products for bfloat16 rows under "avx512_bf16".  Each work item (an expert and a strip of up
+// to kGemmStripOutputs outputs) has its rows of W decoded exactly and rounded once to bfloat16, as the
+// tile products round them, into a [outputs, width] buffer of its thread, and the expert's rows times
+// its transpose go through one single-threaded PyTorch GEMM (float32 sums, rounded once into `out`;
+// the threads claim the items, longest first).  A bias enters those sums as three bfloat16 parts in
+// columns inner .. inner + 2 of the strip, met by columns of ones appended to a copy of the rows, so
+// that it is added in float32 as the other products add it; width is then inner + 3 rounded up to 8
+// (zeros past them).
 void bf16_gemm_products(const QuantizedGroupedLinearArgs& a, at::Tensor& out) {
   const core::QuantizedMatrix w = matrix_of(a);
   const int64_t inner = w.cols, outputs = w.rows, grouped = a.offsets.back();
@@ -149,27 +150,26 @@ void bf16_gemm_products(const QuantizedGroupedLinearArgs& a, at::Tensor& out) {
   std::vector<int64_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
   gemm::WorkQueue queue(std::move(order));
-  const gemm::QuantizedStripToBf16 decode = gemm::avx512_bf16_strip_decoder();
+  const gemm::QuantizedRowsToBf16 decode = gemm::avx512_bf16_rows_decoder();
   const auto claim_items = [&] {
     static thread_local std::vector<uint16_t> strip;
-    if (strip.size() < size_t(width * kGemmStripOutputs)) strip.resize(size_t(width * kGemmStripOutputs));
+    if (strip.size() < size_t(kGemmStripOutputs * width)) strip.resize(size_t(kGemmStripOutputs * width));
     for (int64_t claimed = queue.claim(); claimed >= 0; claimed = queue.claim()) {
       const gemm::QuantizedItem& item = items[size_t(claimed)];
       const int64_t first = a.offsets[size_t(item.expert)], rows = a.offsets[size_t(item.expert) + 1] - first;
       const int64_t count = item.o_end - item.o_begin;
-      for (int64_t o = item.o_begin; o < item.o_end; o += gemm::kQuantizedStripOutputs) {
-        decode(w, item.expert, o, strip.data() + (o - item.o_begin), kGemmStripOutputs);
-      }
+      decode(w, item.expert, item.o_begin, count, strip.data(), width);
       if (bias) {
-        std::fill(strip.begin() + inner * kGemmStripOutputs, strip.begin() + width * kGemmStripOutputs, uint16_t(0));
         for (int64_t j = 0; j < count; ++j) {
           uint16_t parts[3];
           bias_parts(bias[item.expert * outputs + item.o_begin + j], parts);
-          for (int i = 0; i < 3; ++i) strip[size_t((inner + i) * kGemmStripOutputs + j)] = parts[i];
+          uint16_t* tail = strip.data() + j * width + inner;
+          std::fill(tail, tail + (width - inner), uint16_t(0));
+          std::copy(parts, parts + 3, tail);
         }
       }
-      const at::Tensor right = at::from_blob(strip.data(), {width, count}, {kGemmStripOutputs, 1},
-                                             a.rows.options().dtype(at::kBFloat16));
+      const at::Tensor right = at::from_blob(strip.data(), {count, width}, {width, 1},
+                                             a.rows.options().dtype(at::kBFloat16)).t();
       at::Tensor products = out.narrow(0, first, rows).narrow(1, item.o_begin, count);
       at::mm_out(products, x.narrow(0, first, rows), right);
     }
