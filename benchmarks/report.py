@@ -972,7 +972,8 @@ def quantized_experts_section(result: dict) -> str:
     m = result["machine"]
     columns = ["model", "T", "experts_read", "bf16_ms", "bf16/limit", "hf_eager_ms", "hf_grouped_mm_ms"] + \
         [column for f in ("mxfp4", "nvfp4", "fp8_block") for column in (f"{f}_ms", f"{f}/limit", f"bf16/{f}")] + \
-        ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "read_gbps"]
+        ["mxfp4/read", "bf16/mxfp4_read", "fp8_block/read", "bf16/fp8_block_read", "bf16_threads", "mxfp4_threads",
+         "read_gbps"]
     columns = present_columns(result["rows"], columns)
     targets = [{"model": t["model"], "T": t["T"], "target": t["target"], "value": t["value"],
                 "met": "yes" if t["met"] else "**no**"} for t in result["targets"]]
@@ -986,7 +987,9 @@ def quantized_experts_section(result: dict) -> str:
             "*bf16/X*: how many times faster X is than tutel's bfloat16 call.  At T <= 16 the run also times a sum "
             "over as many bytes as the call's chosen experts hold (*X/read*: X's time over that read's; "
             "*bf16/X_read*: bf16's time over it, the most a call reading X's bytes once could gain over "
-            "bf16 here).  Every timed call starts on cold "
+            "bf16 here; *X_threads*: X's time on one thread over its time on all, near 1 for a call that waits "
+            "on memory, near the thread count for one held back by its instructions).  Every timed call starts "
+            "on cold "
             f"caches.  Measured on: {m['cpu']} ({m['logical_cpus']} logical CPUs, {m['torch_threads']} threads); "
             f"torch {m['torch']}; finished {result.get('finished', '?')}.\n\n"
             + format_table(result["rows"], columns) + "\n\nTargets:\n\n"
