@@ -2,8 +2,9 @@
 // gemm/quantized_products.h: the tile products for bfloat16 rows where the CPU has AMX, strips
 // decoded to bfloat16 and multiplied by PyTorch's bfloat16 GEMM where it has AVX512-BF16 but not
 // AMX, the float products otherwise (16-bit rows widened to float32 first and the results rounded
-// back), with the kernels in force: the widest this CPU runs, unless tutel._C._set_quantized_linear_kernels chose
-// others (as the tests do, to check every kernel set this CPU has).  W8A8 (activation_group > 0):
+// back), with the kernels in force: the widest this CPU runs, unless
+// tutel._C._set_quantized_linear_kernels chose others (as the tests do, to check every kernel set
+// this CPU has).  W8A8 (activation_group > 0):
 // the grouped rows quantized and dequantized into a float32 buffer first (core/activation_quant.h,
 // in parallel over the rows), then the float products, whatever the rows' dtype.
 #include <ATen/ATen.h>
