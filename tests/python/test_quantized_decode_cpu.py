@@ -309,6 +309,44 @@ def test_rows_of_hundreds_of_scale_blocks(unit):
             check(problem, kernels)
 
 
+def mxfp4_rows(rows):
+    """An MXFP4 stack [1, len(rows), 32] whose row i holds the E2M1 codes rows[i] (a dict element ->
+    code, the others 0) at scale 1, as (codes, scales) the operator takes."""
+    codes = torch.zeros(1, len(rows), 32, dtype=torch.uint8)
+    for i, row in enumerate(rows):
+        for element, code in row.items():
+            codes[0, i, element] = code
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.full((1, len(rows), 1), 127, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("unit", [SWIGLU, "relu"], ids=["swiglu", "relu"])
+def test_the_units_values_take_the_tokens_dtype_between_the_products(unit, dtype):
+    # Units 0 and 1 get ups of 1 + 2^-10 and 1 (E2M1 code 2 is 1.0, x = [1, 2^-10, 1, 0, ...]) and, gated,
+    # equal gates of 6 + 4 = 10 (codes 7 and 6); the down row takes h0 - h1.  Rounded to bfloat16
+    # the two values are equal and the output 0; kept in float32 it would be their difference.
+    one, six, four, minus_one = 2, 7, 6, 10
+    ups = [{0: one, 1: one}, {0: one}] + [{}] * 30
+    gates = [{0: six, 2: four}] * 2 + [{}] * 30
+    gate_up, gate_up_scales = mxfp4_rows(gates + ups if unit is SWIGLU else ups)
+    down, down_scales = mxfp4_rows([{0: one, 1: minus_one}])
+    x = torch.zeros(1, 32, dtype=torch.float64)
+    x[0, :3] = torch.tensor([1.0, 2.0 ** -10, 1.0])
+    x = x.to(dtype)
+    u = torch.tensor([1 + 2.0 ** -10, 1.0], dtype=torch.float64)
+    h = torch.nn.functional.silu(torch.tensor(10.0, dtype=torch.float64)) * u if unit is SWIGLU else u
+    h = h.to(dtype).double()
+    want = (h[0] - h[1]).to(dtype)
+    if dtype == torch.bfloat16:
+        assert want == 0  # the case is built for it
+    for kernels in KERNEL_SETS:
+        with using_quantized_decode_kernels(kernels):
+            got = decode_quantized_experts(x, torch.zeros(1, 1, dtype=torch.int64), None, "mxfp4", gate_up,
+                                           gate_up_scales, down, down_scales, unit=unit)
+        torch.testing.assert_close(got[0, 0], want, rtol=1e-5 if dtype == torch.float32 else 0, atol=0,
+                                   msg=lambda m: f"{kernels}: {m}")
+
+
 @pytest.mark.parametrize("k", range(1, 9))
 def test_every_k_without_routing_weights(k):
     for case in ("mxfp4", "fp8_block"):
