@@ -12,7 +12,6 @@
 // instead, one product after another.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,6 +26,7 @@
 #include "../checks.h"
 #include "../core_types.h"
 #include "cpu_gemm_switch.h"
+#include "gemms_on_threads.h"
 #include "grouped_linear_cpu.h"
 #include "reusable_buffers.h"
 
@@ -154,8 +154,7 @@ class GemmPieces {
   }
 
   void run() const {
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(pieces_.size()));
-    if (!tutel_ || threads <= 1 || at::in_parallel_region()) {
+    if (!tutel_) {
       for (const ProductPiece& piece : pieces_) run_piece(piece);
       return;
     }
@@ -163,12 +162,7 @@ class GemmPieces {
     costs.reserve(pieces_.size());
     for (const ProductPiece& piece : pieces_) costs.push_back(piece.cost);
     gemm::WorkQueue queue(gemm::longest_first(costs));
-    // Grain 1 over the workers: each claims pieces until none is left, and the GEMMs inside a
-    // parallel region run single-threaded.  The pool's threads take this thread's dispatch
-    // state (below autograd), or the out= products would refuse tensors that need grad.
-    const at::ThreadLocalState caller_state;
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      const at::ThreadLocalStateGuard state_guard(caller_state);
+    claim_on_threads(int64_t(pieces_.size()), [&] {
       for (int64_t item = queue.claim(); item >= 0; item = queue.claim()) run_piece(pieces_[size_t(item)]);
     });
   }

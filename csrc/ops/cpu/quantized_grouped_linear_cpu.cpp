@@ -8,8 +8,6 @@
 // the grouped rows quantized and dequantized into a float32 buffer first (core/activation_quant.h,
 // in parallel over the rows), then the float products, whatever the rows' dtype.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -25,6 +23,7 @@
 #include "../../gemm/work_balance.h"
 #include "../core_types.h"
 #include "../quantized_grouped_linear_args.h"
+#include "gemms_on_threads.h"
 #include "reusable_buffers.h"
 
 namespace tutel {
@@ -140,9 +139,10 @@ void bf16_gemm_products(const QuantizedGroupedLinearArgs& a, at::Tensor& out) {
   const int64_t width = bias ? (inner + 3 + 7) / 8 * 8 : inner;
   at::Tensor x = a.rows.narrow(0, 0, grouped);
   if (bias) {
-    at::Tensor widened = at::zeros({grouped, width}, a.rows.options());
+    at::Tensor widened = at::empty({grouped, width}, a.rows.options());
     widened.narrow(1, 0, inner).copy_(x);
     widened.narrow(1, inner, 3).fill_(1);
+    widened.narrow(1, inner + 3, width - inner - 3).zero_();
     x = widened;
   }
   const std::vector<gemm::QuantizedItem> items =
@@ -175,18 +175,7 @@ void bf16_gemm_products(const QuantizedGroupedLinearArgs& a, at::Tensor& out) {
       at::mm_out(products, x.narrow(0, first, rows), right);
     }
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
-  if (threads <= 1 || at::in_parallel_region()) {
-    claim_items();
-    return;
-  }
-  // As grouped_linear's GEMM pieces: the GEMMs inside the parallel region run single-threaded, in
-  // the calling thread's dispatch state.
-  const at::ThreadLocalState caller_state;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const at::ThreadLocalStateGuard state_guard(caller_state);
-    claim_items();
-  });
+  claim_on_threads(int64_t(items.size()), claim_items);
 }
 
 at::Tensor quantized_grouped_linear_cpu(const at::Tensor& rows, const at::Tensor& ends, c10::string_view format,
