@@ -18,6 +18,7 @@
 
 #include "avx2_lanes.h"
 #include "quant_codes_avx512.h"
+#include "quant_codes_avx512_bf16.h"
 #include "quantized_decode.h"
 
 namespace tutel {
@@ -31,6 +32,10 @@ using avx512_codes::e2m1_32;
 using avx512_codes::e2m1_32_split;
 using avx512_codes::e2m1_table;
 using avx512_codes::e4m3_32;
+using avx512_codes::e2m1_bf16_table;
+using avx512_codes::E4m3Bf16Tables;
+using avx512_codes::e4m3_bf16_bytes;
+using avx512_codes::e4m3_bf16_tables;
 
 // Independent sums per (row, vector) pair: two when one pair alone would chain every FMA.
 constexpr int sums_per_pair(int pairs) { return pairs >= 2 ? 1 : 2; }
@@ -267,19 +272,11 @@ void avx512_split_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* 
 // first 32 elements, the first scale block, and lanes 8-15 the second.  The exact products' sums
 // then take their block's scale in one multiply-add.
 
-#define TUTEL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")))
-
-TUTEL_AVX512_BF16 inline __m512i e2m1_bf16_table() {
-  return _mm512_setr_epi32(0x3f000000, 0x3fc03f80, 0x40404000, 0x40c04080, 0xbf008000, 0xbfc0bf80, 0xc040c000,
-                           0xc0c0c080, 0x3f000000, 0x3fc03f80, 0x40404000, 0x40c04080, 0xbf008000, 0xbfc0bf80,
-                           0xc040c000, 0xc0c0c080);
-}
-
 template <int R, int V>
 struct Bf16Sums {
   __m512 acc[2][R][V];  // two sums per (row, vector): consecutive rounds alternate
 
-  TUTEL_AVX512_BF16 void clear() {
+  TUTEL_AVX512_BF16_CODES void clear() {
     for (int a = 0; a < 2; ++a)
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) acc[a][r][v] = _mm512_setzero_ps();
@@ -290,7 +287,7 @@ struct Bf16Sums {
 // Whole: 64 elements; otherwise the row's last 32 (16 code bytes, one block, whose second half of
 // the lanes then sums zeros times a zero scale).
 template <int R, int V, int A, bool Whole>
-TUTEL_AVX512_BF16 inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R], const uint8_t* const (&scales)[R],
+TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R], const uint8_t* const (&scales)[R],
                                                const float* e8m0, __m512i table, const uint16_t* const* vectors,
                                                int64_t q, int64_t prefetch, Bf16Sums<R, V>& sums) {
   __m512i low[R], high[R];
@@ -319,7 +316,7 @@ TUTEL_AVX512_BF16 inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R],
 }
 
 template <int R, int V>
-TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                        const uint16_t* const* vectors, float* out, int out_stride) {
   const float* e8m0 = byte_tables().e8m0;
   const __m512i table = e2m1_bf16_table();
@@ -350,51 +347,25 @@ TUTEL_AVX512_BF16 void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert,
 }
 
 // fp8_block with bfloat16 vectors in the fp8 bfloat16 layout (kQuantBf16Round): a round's 64 E4M3
-// bytes look up the low and the high byte of their magnitudes' bfloat16 bits (exact: every E4M3
-// value, subnormals included, is a normal bfloat16) in 128-entry tables (seven index bits: the code
-// without its sign) with two two-table byte permutes, the codes' sign bits go into the high bytes,
-// and two byte unpacks pair the bytes into bfloat16 lanes.  The unpacks work within 16-byte lanes,
-// which is why the vectors' rounds hold their elements in the order the bfloat16 lanes come out
-// (bf16_layout_slot).  NaN codes look up a NaN.  A scale block's rounds sum in float32 lanes,
-// which then take the block's scale in one multiply-add.
-struct E4m3Bf16Tables {
-  __m512i low[2], high[2];  // the low and the high bytes of magnitudes 0..127's bfloat16 bits
-};
-
-TUTEL_AVX512_BF16 inline E4m3Bf16Tables e4m3_bf16_tables() {
-  alignas(64) uint8_t low[128], high[128];
-  const float* e4m3 = byte_tables().e4m3;
-  for (int c = 0; c < 128; ++c) {
-    uint32_t u;
-    std::memcpy(&u, &e4m3[c], 4);
-    // exact: E4M3 values have at most 4 significant bits
-    low[c] = uint8_t(u >> 16);
-    high[c] = uint8_t(u >> 24);
-  }
-  E4m3Bf16Tables t;
-  for (int h = 0; h < 2; ++h) {
-    t.low[h] = _mm512_load_si512(low + 64 * h);
-    t.high[h] = _mm512_load_si512(high + 64 * h);
-  }
-  return t;
-}
-
+// bytes look up the bytes of their bfloat16 bits (quant_codes_avx512_bf16.h), and two byte unpacks
+// pair them into bfloat16 lanes.  The unpacks work within 16-byte lanes, which is why the vectors'
+// rounds hold their elements in the order the bfloat16 lanes come out (bf16_layout_slot).  A scale
+// block's rounds sum in float32 lanes, which then take the block's scale in one multiply-add.
+//
 // The bfloat16 bits of a round's 64 codes (the first `count`, zeros past them), in the layout's
 // order: w[0] the round's first 32 slots, w[1] the last 32.
-TUTEL_AVX512_BF16 inline void e4m3_bf16_round(const uint8_t* p, int count, const E4m3Bf16Tables& t, __m512i (&w)[2]) {
+TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_round(const uint8_t* p, int count, const E4m3Bf16Tables& t, __m512i (&w)[2]) {
   const __m512i codes = count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << count) - 1, p);
-  const __m512i lows = _mm512_permutex2var_epi8(t.low[0], codes, t.low[1]);
-  // high | (codes & 0x80): the sign bit in place (the magnitudes' is clear)
-  const __m512i highs = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.high[0], codes, t.high[1]), codes,
-                                                  _mm512_set1_epi8(int8_t(0x80)), 0xf8);
+  __m512i lows, highs;
+  e4m3_bf16_bytes(codes, t, lows, highs);
   w[0] = _mm512_unpacklo_epi8(lows, highs);
   w[1] = _mm512_unpackhi_epi8(lows, highs);
 }
 
 template <int R, int V>
-TUTEL_AVX512_BF16 void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+TUTEL_AVX512_BF16_CODES void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                            const uint16_t* const* vectors, float* out, int out_stride) {
-  static const E4m3Bf16Tables tables = e4m3_bf16_tables();
+  const E4m3Bf16Tables& tables = e4m3_bf16_tables();
   const uint8_t* codes[R];
   const float* scales[R];
   for (int r = 0; r < R; ++r) {
@@ -436,7 +407,7 @@ TUTEL_AVX512_BF16 void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t exp
 }
 
 template <int R, int V>
-TUTEL_AVX512_BF16 void bf16_dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
+TUTEL_AVX512_BF16_CODES void bf16_dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                     const uint16_t* const* vectors, float* out, int out_stride) {
   if (m.format == QuantFormat::kFp8Block) {
     fp8_block_bf16_dots<R, V>(m, expert, rows, vectors, out, out_stride);

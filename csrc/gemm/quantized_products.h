@@ -90,7 +90,8 @@ void quantized_float_products(const QuantizedGroupedProducts<float>& call, const
 using QuantizedRowsToBf16 = void (*)(const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t count,
                                      uint16_t* out, int64_t ld);
 
-// The AVX-512 decoding with AVX512-BF16's conversion, or nullptr when this build or this CPU lacks it.
+// The AVX-512 decoding with AVX512-BF16's conversion and VBMI's byte permutes, or nullptr when this
+// build or this CPU lacks them.
 QuantizedRowsToBf16 avx512_bf16_rows_decoder();
 
 // Whether this build and CPU run the tile products (tile_products_available()).

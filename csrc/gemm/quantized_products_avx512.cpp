@@ -10,6 +10,7 @@
 
 #include "quantized_products.h"
 #include "quantized_steps_avx512.h"
+#include "../core/quant_codes_avx512_bf16.h"
 
 #ifdef TUTEL_HAVE_AVX2_KERNELS
 #include "avx512_lanes.h"
@@ -108,21 +109,42 @@ TUTEL_AVX512 void avx512_multiply_strip(const float* x, int64_t x_stride, int64_
   }
 }
 
-// The rows, a 32-value step of every row at a time (the step's blocks found once), each step's
-// values rounded to bfloat16 by one conversion.
+// Row by row (the strip's stores then run along its rows), each value rounded to bfloat16 once:
+// E2M1 through bfloat16 tables of the scaled values; fp8_block's whole 64-value steps within one
+// block through its exact bfloat16 bytes widened to float32 and scaled, and its other steps (narrow
+// or partial blocks) as the float products decode them, then converted.
 template <core::QuantFormat F>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) void decode_rows_bf16_of(
-    const core::QuantizedMatrix& w, int64_t expert, int64_t o, int64_t count, uint16_t* out, int64_t ld) {
+TUTEL_AVX512_BF16_CODES void decode_rows_bf16_of(const core::QuantizedMatrix& w, int64_t expert, int64_t o,
+                                                 int64_t count, uint16_t* out, int64_t ld) {
+  using namespace core::avx512_codes;
   const core::ByteTables& tables = core::byte_tables();
-  std::vector<quantized_steps::RowCursor> rows(size_t(std::max<int64_t>(count, 0)));
-  for (int64_t j = 0; j < count; ++j) rows[size_t(j)] = quantized_steps::row_cursor(w, expert, o + j);
-  for (int64_t k = 0; k < w.cols; k += 32) {
-    const quantized_steps::Step step = quantized_steps::step_at(w, k);
-    const __mmask32 kept = step.count >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << step.count) - 1u);
-    for (int64_t j = 0; j < count; ++j) {
-      __m512 values[2];
-      quantized_steps::decode_step<F>(tables, rows[size_t(j)], step, values);
-      _mm512_mask_storeu_epi16(out + j * ld + k, kept, (__m512i)_mm512_cvtne2ps_pbh(values[1], values[0]));
+  const E4m3Bf16Tables& e4m3 = e4m3_bf16_tables();
+  for (int64_t j = 0; j < count; ++j) {
+    const quantized_steps::RowCursor row = quantized_steps::row_cursor(w, expert, o + j);
+    uint16_t* row_out = out + j * ld;
+    for (int64_t k = 0; k < w.cols;) {
+      __m512i values;
+      const int n = int(std::min<int64_t>(32, w.cols - k));
+      if (F == core::QuantFormat::kMxfp4) {  // cols a multiple of 32: one whole block
+        values = e2m1_bf16_32(row.codes + k / 2, tables.e8m0[row.byte_scales[k / core::kMxfp4Block]]);
+      } else if (F == core::QuantFormat::kNvfp4) {  // cols a multiple of 16: two blocks, or a last one alone
+        const uint8_t* scales = row.byte_scales + k / core::kNvfp4Block;
+        values = e2m1_bf16_two_blocks(row.codes + k / 2, tables.e4m3[scales[0]] * row.global,
+                                      n == 32 ? tables.e4m3[scales[1]] * row.global : 0.0f, n == 32);
+      } else if (k + 64 <= w.cols && k / w.block_cols == (k + 63) / w.block_cols) {
+        __m512i pair[2];
+        e4m3_bf16_64(row.codes + k, _mm512_set1_ps(row.float_scales[k / w.block_cols]), e4m3, pair);
+        _mm512_storeu_si512(row_out + k, pair[0]);
+        _mm512_storeu_si512(row_out + k + 32, pair[1]);
+        k += 64;
+        continue;
+      } else {
+        __m512 floats[2];
+        quantized_steps::decode_step<F>(tables, row, quantized_steps::step_at(w, k), floats);
+        values = (__m512i)_mm512_cvtne2ps_pbh(floats[1], floats[0]);
+      }
+      _mm512_mask_storeu_epi16(row_out + k, n == 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1u), values);
+      k += 32;
     }
   }
 }
@@ -145,7 +167,8 @@ const QuantizedStripKernels* avx512_strip_kernels() {
 }
 
 QuantizedRowsToBf16 avx512_bf16_rows_decoder() {
-  static const bool supported = avx512::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  static const bool supported = avx512::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16") &&
+                                __builtin_cpu_supports("avx512vbmi");
   return supported ? &avx512_bf16_decode_rows : nullptr;
 }
 

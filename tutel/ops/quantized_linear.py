@@ -26,10 +26,10 @@ thread, laid out as the multiplying kernel reads it, and multiplies all of the e
   strips are decoded into bfloat16 tiles, **each weight rounded to bfloat16** (as transformers' CPU
   path dequantizes FP8 weights to bfloat16; MXFP4 values are exact in bfloat16 unless tiny), and
   multiplied on AMX tiles.
-* bfloat16 rows where the CPU has AVX512-BF16 but not AMX (AMD Zen 4 on; kernel set "avx512_bf16"):
-  strips of 256 outputs are decoded exactly and each weight rounded to bfloat16 as on AMX, and
-  PyTorch's bfloat16 GEMM (float32 sums, one thread per strip) multiplies the expert's rows with
-  them; a bias enters those float32 sums as three bfloat16 parts against columns of ones.
+* bfloat16 rows where the CPU has AVX512-BF16 and VBMI but not AMX (AMD Zen 4 on; kernel set
+  "avx512_bf16"): strips of 256 outputs are decoded exactly and each weight rounded to bfloat16 as
+  on AMX, and PyTorch's bfloat16 GEMM (float32 sums, one thread per strip) multiplies the expert's
+  rows with them; a bias enters those float32 sums as three bfloat16 parts against columns of ones.
   On other CPUs bfloat16 rows take the float32 way above.
 
 On CUDA the operator is one launch on the tensor cores (csrc/ops/cuda): each block decodes a tile
