@@ -32,24 +32,27 @@ run on the CPU only (TypeError on CUDA).  A call that autograd would record rais
 NotImplementedError (quantized experts run inference only; the tokens, the routing weights and the
 biases count).
 """
-from typing import Callable, Optional, Union
+import weakref
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from ..ops.gated_units import GatedUnit, check_unit
-from ..ops.quantized_experts import (WEIGHT_ONLY, check_expert_biases, check_quantized_experts, require_rows_dtype,
-                                     require_same_device)
+from ..ops.quantized_experts import (ACTIVATIONS, WEIGHT_ONLY, check_expert_biases, check_quantized_experts,
+                                     require_rows_dtype, require_same_device)
 from ..paths import QuantizedExperts, Work, run
 from ..paths.facts import quantized_experts_facts
+from ..paths.work import NOT_ASKED
+from ..quant.base import QuantizedWeights
 from ..rules.paths import EXPERTS, choose_path
 from .routed import GATES, check_gate_rule, check_routing, gate_unit_of
 
 WHERE = "tutel.experts.routed_quantized_experts"
 
 
-def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations, up_bias,
-           down_bias) -> None:
-    check_routing(x, expert_ids, weights, WHERE)
+def _check_experts(up, down, gate_weight, gate, gate_fn, activation, activations, up_bias, down_bias) -> int:
+    """Checks what a call's experts are made of (the stacks, the gate rule, the biases); returns the
+    width H of the tokens they take."""
     check_gate_rule(gate, gate_fn, activation, WHERE, f"{'/'.join(GATES)} or a GatedUnit")
     unit = gate_unit_of(gate)
     if unit is not None:
@@ -62,14 +65,72 @@ def _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activat
             raise TypeError(f"{WHERE}: `{name}` must be callable, got {type(value).__name__}")
     width = check_quantized_experts(up, down, gate_weight, gate is not None or gate_fn is not None, activations,
                                     WHERE)
+    check_expert_biases(up_bias, down_bias, up, down, gate_weight, WHERE)
+    return width
+
+
+def _check_tokens(x, expert_ids, weights, up, width: int) -> None:
+    """Checks a call's own tensors (their routing checked first) against its (checked) experts."""
     if x.shape[1] != width:
         raise ValueError(f"{WHERE}: `x` {tuple(x.shape)} must have the {width} features the up projection "
                          f"{up.shape} takes")
-    check_expert_biases(up_bias, down_bias, up, down, gate_weight, WHERE)
+    device = up.device
     for name, tensor in (("x", x), ("expert_ids", expert_ids), ("weights", weights)):
         if tensor is not None:
-            require_same_device(tensor.device, up.device, f"{WHERE}: `{name}`")
+            require_same_device(tensor.device, device, f"{WHERE}: `{name}`")
     require_rows_dtype(x.dtype, x.device, f"{WHERE}: `x`")
+
+
+class _Checked(NamedTuple):
+    """What the checks of one set of experts found, kept for the next call with the same ones."""
+    held: tuple            # weak references to down, gate_weight, up_bias, down_bias (None for None)
+    biases: tuple          # the biases' (shape, dtype, device): what an assignment to .data changes
+    width: int             # the tokens' width H
+    form: object           # the decode form (QuantizedExperts.decode_form)
+
+
+#: Per `up` stack (weakly: a stack dies with its last user), the checks of the experts it went
+#: into, by the ids of the other parts.  The entries hold no strong reference to anything, so
+#: they keep no stack or bias alive.  A model calls with the same stacks on every step; checking
+#: them again costs as much Python as the rest of a one-token call.
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CHECKED_PER_STACK = 8  # entries kept per `up` stack (a stack serves one layer in a model)
+
+
+def _bias_facts(*biases) -> tuple:
+    return tuple(None if b is None else (b.shape, b.dtype, b.device) for b in biases)
+
+
+def _held(*parts) -> tuple:
+    return tuple(None if part is None else weakref.ref(part) for part in parts)
+
+
+def _kept_checks(up, down, gate_weight, gate, activations, up_bias, down_bias) -> Optional[_Checked]:
+    """The kept checks of these experts (a gate given as a name or a GatedUnit, no gate_fn or
+    activation callable: their identity cannot be held weakly), or None."""
+    kept = _CHECKED.get(up) if isinstance(up, QuantizedWeights) else None
+    if kept is None:
+        return None
+    entry = kept.get((id(down), id(gate_weight), gate, activations, id(up_bias), id(down_bias)))
+    if entry is None:
+        return None
+    for ref, part in zip(entry.held, (down, gate_weight, up_bias, down_bias)):
+        if (part is not None) if ref is None else ref() is not part:
+            return None  # an id reused by another object
+    if entry.biases != _bias_facts(up_bias, down_bias):
+        return None
+    return entry
+
+
+def _keep_checked(up, down, gate_weight, gate, activations, up_bias, down_bias, width: int, form: object) -> None:
+    try:
+        kept = _CHECKED.setdefault(up, {})
+    except TypeError:  # not weakly referable (a stack type of a user's own, say): nothing kept
+        return
+    if len(kept) >= _CHECKED_PER_STACK:
+        kept.clear()
+    kept[(id(down), id(gate_weight), gate, activations, id(up_bias), id(down_bias))] = _Checked(
+        _held(down, gate_weight, up_bias, down_bias), _bias_facts(up_bias, down_bias), width, form)
 
 
 def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: Optional[torch.Tensor], up,
@@ -108,11 +169,21 @@ def routed_quantized_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights:
         TypeError, ValueError: arguments that do not fit together, naming the argument (tensors on
             different devices; float64 tokens on CUDA).
     """
-    _check(x, expert_ids, weights, up, down, gate_weight, gate, gate_fn, activation, activations, up_bias,
-           down_bias)
+    keepable = gate_fn is None and activation is None and isinstance(gate, (str, GatedUnit)) and \
+        activations in ACTIVATIONS
+    check_routing(x, expert_ids, weights, WHERE)
+    entry = _kept_checks(up, down, gate_weight, gate, activations, up_bias, down_bias) if keepable else None
+    if entry is None:
+        width = _check_experts(up, down, gate_weight, gate, gate_fn, activation, activations, up_bias, down_bias)
+    else:
+        width = entry.width
+    _check_tokens(x, expert_ids, weights, up, width)
     unit = gate_unit_of(gate)
     experts = QuantizedExperts(up, down, gate_weight, unit, None if unit is not None else gate_fn, activation,
-                               activations, up_bias, down_bias)
+                               activations, up_bias, down_bias,
+                               decode_form=entry.form if entry is not None else NOT_ASKED)
+    if keepable and entry is None:
+        _keep_checked(up, down, gate_weight, gate, activations, up_bias, down_bias, width, experts.decode_form())
     return run_quantized(x, expert_ids, weights, experts)
 
 

@@ -14,7 +14,7 @@ from ..ops.tracing import eager_without_grad
 
 
 # QuantizedExperts' decode form before anyone asked for it (None means the operator cannot take them).
-_NOT_ASKED = object()
+NOT_ASKED = object()  # a QuantizedExperts' decode form not found yet
 
 
 class GatedWeights(NamedTuple):
@@ -108,18 +108,18 @@ class QuantizedExperts:
                  gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  activations: str = WEIGHT_ONLY, up_bias: Optional[torch.Tensor] = None,
-                 down_bias: Optional[torch.Tensor] = None):
+                 down_bias: Optional[torch.Tensor] = None, decode_form: object = NOT_ASKED):
         self.up, self.down, self.gate_weight = up, down, gate_weight  # tutel.quant stacks (gate_weight or None)
         self.unit, self.gate_fn, self.activation, self.activations = unit, gate_fn, activation, activations
         self.up_bias, self.down_bias = up_bias, down_bias  # [E, U] ([gate | up] with gate_weight), [E, O], or None
         self.num_experts = up.experts
-        self._decode_form = _NOT_ASKED
+        self._decode_form = decode_form  # found by an earlier call on the same experts, or NOT_ASKED
 
     def decode_form(self) -> Optional[QuantizedDecodeForm]:
         """How the decode operator takes these experts, or None where it cannot (found on the first
         question, then kept: the experts do not change)."""
         form = self._decode_form
-        if form is _NOT_ASKED:
+        if form is NOT_ASKED:
             form = self._decode_form = decode_form(self.up, self.down, self.gate_weight, self.unit, self.gate_fn,
                                                    self.activation, self.activations)
         return form
