@@ -40,8 +40,12 @@ using avx512_codes::e4m3_bf16_tables;
 // Independent sums per (row, vector) pair: two when one pair alone would chain every FMA.
 constexpr int sums_per_pair(int pairs) { return pairs >= 2 ? 1 : 2; }
 
+// Asks for the line `ahead` bytes past p (nothing for ahead 0) into the level-2 cache, not the
+// first level: these kernels decode fast enough to keep many rows' lines in flight, which the first
+// level's few miss buffers held up (the loads then stalled on them; benchmarks/quantized_experts.py
+// measures the one-token step).  The AVX2 kernels, held back by their float FMAs, ask for level 1.
 inline void prefetch_codes(const uint8_t* p, int64_t ahead) {
-  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
 }
 
 template <int R, int V>
