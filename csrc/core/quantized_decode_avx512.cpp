@@ -291,9 +291,10 @@ struct Bf16Sums {
 // Whole: 64 elements; otherwise the row's last 32 (16 code bytes, one block, whose second half of
 // the lanes then sums zeros times a zero scale).
 template <int R, int V, int A, bool Whole>
-TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R], const uint8_t* const (&scales)[R],
-                                               const float* e8m0, __m512i table, const uint16_t* const* vectors,
-                                               int64_t q, int64_t prefetch, Bf16Sums<R, V>& sums) {
+TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R],
+                                                     const uint8_t* const (&scales)[R], const float* e8m0,
+                                                     __m512i table, const uint16_t* const* vectors, int64_t q,
+                                                     int64_t prefetch, Bf16Sums<R, V>& sums) {
   __m512i low[R], high[R];
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
@@ -321,7 +322,7 @@ TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&code
 
 template <int R, int V>
 TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
-                                       const uint16_t* const* vectors, float* out, int out_stride) {
+                                             const uint16_t* const* vectors, float* out, int out_stride) {
   const float* e8m0 = byte_tables().e8m0;
   const __m512i table = e2m1_bf16_table();
   const uint8_t* codes[R];
@@ -358,7 +359,8 @@ TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t e
 //
 // The bfloat16 bits of a round's 64 codes (the first `count`, zeros past them), in the layout's
 // order: w[0] the round's first 32 slots, w[1] the last 32.
-TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_round(const uint8_t* p, int count, const E4m3Bf16Tables& t, __m512i (&w)[2]) {
+TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_round(const uint8_t* p, int count, const E4m3Bf16Tables& t,
+                                                    __m512i (&w)[2]) {
   const __m512i codes = count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << count) - 1, p);
   __m512i lows, highs;
   e4m3_bf16_bytes(codes, t, lows, highs);
@@ -368,7 +370,7 @@ TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_round(const uint8_t* p, int count,
 
 template <int R, int V>
 TUTEL_AVX512_BF16_CODES void fp8_block_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
-                                           const uint16_t* const* vectors, float* out, int out_stride) {
+                                                 const uint16_t* const* vectors, float* out, int out_stride) {
   const E4m3Bf16Tables& tables = e4m3_bf16_tables();
   const uint8_t* codes[R];
   const float* scales[R];
@@ -412,7 +414,7 @@ TUTEL_AVX512_BF16_CODES void fp8_block_bf16_dots(const QuantizedMatrix& m, int64
 
 template <int R, int V>
 TUTEL_AVX512_BF16_CODES void bf16_dots_of(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
-                                    const uint16_t* const* vectors, float* out, int out_stride) {
+                                          const uint16_t* const* vectors, float* out, int out_stride) {
   if (m.format == QuantFormat::kFp8Block) {
     fp8_block_bf16_dots<R, V>(m, expert, rows, vectors, out, out_stride);
   } else {

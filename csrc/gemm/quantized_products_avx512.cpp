@@ -6,8 +6,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-#include <vector>
-
 #include "quantized_products.h"
 #include "quantized_steps_avx512.h"
 #include "../core/quant_codes_avx512_bf16.h"
