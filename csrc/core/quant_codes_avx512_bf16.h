@@ -9,8 +9,8 @@
 //     magnitude's bfloat16 bits, and the code's sign bit goes into the high byte.  NaN codes look up
 //     a NaN.
 //
-// Every function carries TUTEL_AVX512_BF16_CODES, so the files including this compile with the baseline
-// flags and their code runs only after a CPU check (AVX512-BF16 and VBMI).
+// Every function carries TUTEL_AVX512_BF16_CODES, so the files including this compile with the
+// baseline flags and their code runs only after a CPU check (AVX512-BF16 and VBMI).
 #pragma once
 
 #include "quant_codes_avx512.h"
@@ -96,7 +96,7 @@ TUTEL_AVX512_BF16_CODES inline const E4m3Bf16Tables& e4m3_bf16_tables() {
 
 // The low and the high bytes of the bfloat16 bits of the 64 codes in `codes`, byte for byte.
 TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_bytes(__m512i codes, const E4m3Bf16Tables& t, __m512i& lows,
-                                              __m512i& highs) {
+                                                    __m512i& highs) {
   lows = _mm512_permutex2var_epi8(t.low[0], codes, t.low[1]);
   // high | (codes & 0x80): the sign bit in place (the magnitudes' is clear)
   highs = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.high[0], codes, t.high[1]), codes,
@@ -108,7 +108,7 @@ TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_bytes(__m512i codes, const E4m3Bf1
 // transposed (group 4l + q from group 4q + l) so that the in-lane unpacks into bfloat16 and then
 // float32 lanes leave elements 0-15, 16-31, 32-47 and 48-63 in order.
 TUTEL_AVX512_BF16_CODES inline void e4m3_bf16_64(const uint8_t* p, __m512 scale, const E4m3Bf16Tables& t,
-                                           __m512i (&w)[2]) {
+                                                 __m512i (&w)[2]) {
   const __m512i groups = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512i codes = _mm512_permutexvar_epi32(groups, _mm512_loadu_si512(p));
   __m512i lows, highs;

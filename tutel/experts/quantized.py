@@ -97,6 +97,11 @@ _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CHECKED_PER_STACK = 8  # entries kept per `up` stack (a stack serves one layer in a model)
 
 
+def _experts_key(down, gate_weight, gate, activations, up_bias, down_bias) -> tuple:
+    """The key of a set of experts among its `up` stack's kept checks."""
+    return id(down), id(gate_weight), gate, activations, id(up_bias), id(down_bias)
+
+
 def _bias_facts(*biases) -> tuple:
     return tuple(None if b is None else (b.shape, b.dtype, b.device) for b in biases)
 
@@ -111,7 +116,7 @@ def _kept_checks(up, down, gate_weight, gate, activations, up_bias, down_bias) -
     kept = _CHECKED.get(up) if isinstance(up, QuantizedWeights) else None
     if kept is None:
         return None
-    entry = kept.get((id(down), id(gate_weight), gate, activations, id(up_bias), id(down_bias)))
+    entry = kept.get(_experts_key(down, gate_weight, gate, activations, up_bias, down_bias))
     if entry is None:
         return None
     for ref, part in zip(entry.held, (down, gate_weight, up_bias, down_bias)):
@@ -129,7 +134,7 @@ def _keep_checked(up, down, gate_weight, gate, activations, up_bias, down_bias, 
         return
     if len(kept) >= _CHECKED_PER_STACK:
         kept.clear()
-    kept[(id(down), id(gate_weight), gate, activations, id(up_bias), id(down_bias))] = _Checked(
+    kept[_experts_key(down, gate_weight, gate, activations, up_bias, down_bias)] = _Checked(
         _held(down, gate_weight, up_bias, down_bias), _bias_facts(up_bias, down_bias), width, form)
 
 
