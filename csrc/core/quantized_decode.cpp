@@ -118,7 +118,7 @@ ChoicePlan plan_choices(const int64_t* ids, const float* weights, int64_t tokens
 
 // The vectors one pass multiplies the rows with, one per kept choice, and the kernels that take
 // them: float32 rows as they are or in the split layout (kQuantSplitRound), or bfloat16 rows in the
-// bfloat16 layout (kQuantBf16Round).
+// bfloat16 layout (kQuantBf16Padding).
 struct PassVectors {
   std::vector<const float*> rows;
   QuantRowDots dots = nullptr;
@@ -147,23 +147,23 @@ bool takes_bf16(const QuantKernels& kernels, const QuantizedMatrix& m) {
   return kernels.bf16_dots != nullptr && bf16_takes(m);
 }
 
-int64_t bf16_padded(int64_t n) { return (n + kQuantBf16Round - 1) / kQuantBf16Round * kQuantBf16Round; }
+int64_t bf16_padded(int64_t n) { return (n + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding; }
 
 // `count` rows of `n` values, `stride` apart, each exactly a bfloat16 (bfloat16 tokens, or float32
-// values rounded to bfloat16), as rows of bfloat16 bits in m's bfloat16 layout (kQuantBf16Round)
+// values rounded to bfloat16), as rows of bfloat16 bits in m's bfloat16 layout (kQuantBf16Padding)
 // bf16_padded(n) apart, zeros past n.
 template <class V>
 std::vector<uint16_t> bf16_layout_rows(const QuantizedMatrix& m, const V* x, int64_t count, int64_t n,
                                        int64_t stride) {
-  const int64_t width = bf16_padded(n);
-  int64_t slot[kQuantBf16Round];
-  for (int64_t j = 0; j < kQuantBf16Round; ++j) slot[j] = bf16_layout_slot(m, j);
+  const int64_t width = bf16_padded(n), round_size = bf16_round(m);
+  int64_t slot[kQuantBf16Padding];
+  for (int64_t j = 0; j < round_size; ++j) slot[j] = bf16_layout_slot(m, j);
   std::vector<uint16_t> out(size_t(count * width), 0);
   parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       uint16_t* row = out.data() + c * width;
       for (int64_t k = 0; k < n; ++k) {
-        const int64_t round = k / kQuantBf16Round * kQuantBf16Round;
+        const int64_t round = k / round_size * round_size;
         row[round + slot[k - round]] = Scalar<bfloat16>::store(Scalar<V>::load(x[c * stride + k])).bits;
       }
     }

@@ -107,24 +107,28 @@ using QuantRowDots = void (*)(const QuantizedMatrix& m, int64_t expert, const in
 constexpr int64_t kQuantSplitRound = 32;
 
 // The bfloat16 layouts that bf16_dots takes, for mxfp4 and for fp8_block with blocks a multiple of
-// 64 wide (bf16_takes): vectors of bfloat16 bits padded with zeros to whole rounds of this many
-// elements, each round's elements in the order in which the kernels decode a round's codes
-// (bf16_layout_slot), so that they pair with them in bfloat16 dot-product instructions.
-constexpr int64_t kQuantBf16Round = 64;
+// 64 wide (bf16_takes): vectors of bfloat16 bits padded with zeros to a multiple of this many
+// elements, made of rounds of bf16_round(m) elements, each round's elements in the order in which
+// the kernels decode a round's codes (bf16_layout_slot), so that they pair with them in bfloat16
+// dot-product instructions.
+constexpr int64_t kQuantBf16Padding = 128;
 
 // Whether bf16_dots takes matrices like m (kernels that have one).
 inline bool bf16_takes(const QuantizedMatrix& m) {
-  return m.format == QuantFormat::kMxfp4 || (m.format == QuantFormat::kFp8Block && m.block_cols % kQuantBf16Round == 0);
+  return m.format == QuantFormat::kMxfp4 || (m.format == QuantFormat::kFp8Block && m.block_cols % 64 == 0);
 }
 
-// Where element j (0 <= j < kQuantBf16Round) of a round lies in m's bfloat16 layout: for mxfp4 the
-// round's even elements and then its odd ones (a byte's two codes, decoded as they lie); for
-// fp8_block 8-element groups 0, 2, 4, 6 and then 1, 3, 5, 7 (byte unpacks pair the decoded bytes
-// within 16-byte lanes).
+// The elements of a round of m's bfloat16 layout: 128 for mxfp4 (64 code bytes, four scale
+// blocks), 64 for fp8_block.  Both divide kQuantBf16Padding.
+inline int64_t bf16_round(const QuantizedMatrix& m) { return m.format == QuantFormat::kMxfp4 ? 128 : 64; }
+
+// Where element j (0 <= j < bf16_round(m)) of a round lies in m's bfloat16 layout: for mxfp4 the
+// round's elements 0, 4, 8, ..., then 1, 5, 9, ..., then 2, 6, ... and 3, 7, ... (a 16-bit word of
+// codes holds four, decoded one nibble position at a time); for fp8_block 8-element groups 0, 2, 4,
+// 6 and then 1, 3, 5, 7 (byte unpacks pair the decoded bytes within 16-byte lanes).
 inline int64_t bf16_layout_slot(const QuantizedMatrix& m, int64_t j) {
-  constexpr int64_t half = kQuantBf16Round / 2;
-  if (m.format == QuantFormat::kFp8Block) return (j / 8 % 2) * half + (j / 16) * 8 + j % 8;
-  return (j & 1) * half + j / 2;
+  if (m.format == QuantFormat::kFp8Block) return (j / 8 % 2) * 32 + (j / 16) * 8 + j % 8;
+  return (j % 4) * 32 + j / 4;
 }
 
 // The dot products of QuantRowDots with vectors of bfloat16 bits in the bfloat16 layout; the
@@ -136,7 +140,7 @@ struct QuantKernels {
   QuantRowDots dots;
   const char* name;  // "portable", "avx2", "avx512" or "avx512_bf16"
   QuantRowDots split_dots;  // dots with vectors in the split layout, or nullptr where there are none
-  // dots with bfloat16 vectors (kQuantBf16Round) for matrices bf16_takes, or nullptr where there
+  // dots with bfloat16 vectors (kQuantBf16Padding) for matrices bf16_takes, or nullptr where there
   // are none: taken for vectors that are exactly bfloat16 (bfloat16 tokens)
   QuantRowDotsBf16 bf16_dots = nullptr;
 };

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "avx2_lanes.h"
 #include "quant_codes_avx512.h"
@@ -268,54 +269,74 @@ void avx512_split_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* 
 
 // ---- bfloat16 vectors: AVX512-BF16 dot products -----------------------------------------------
 //
-// A round of 64 elements is 32 code bytes, widened to one byte per 16-bit lane.  One permute of
-// the bfloat16 table indexed by the whole byte gives the low nibbles' values (the permute reads
-// index bits 0-4, and the table repeats its 16 values), another after a 4-bit shift the high
-// nibbles'.  vdpbf16ps multiplies them pairwise with the round's even and odd halves: float32 lane j
-// sums elements 4j, 4j + 2 (and 4j + 1, 4j + 3 from the second), so lanes 0-7 cover the round's
-// first 32 elements, the first scale block, and lanes 8-15 the second.  The exact products' sums
-// then take their block's scale in one multiply-add.
+// mxfp4: a round of 128 elements is 64 code bytes, read as 32 16-bit words of four codes each.  A
+// 16-bit permute of the bfloat16 table indexed by the words gives the values of their first codes
+// (the permute reads index bits 0-4, and the table repeats its 16 values), and three more after
+// shifts of 4, 8 and 12 bits the second, third and fourth codes'.  vdpbf16ps multiplies each with
+// the matching quarter of the round's vector (bf16_layout_slot): float32 lane i sums elements 8i
+// to 8i + 7, all of scale block i / 4, so that the four products' sums take the round's four scales
+// in one multiply-add, lanes 4b to 4b + 3 the scale of block b.  No permute widens the codes, and
+// one per round spreads the scales.
 
-template <int R, int V>
-struct Bf16Sums {
-  __m512 acc[2][R][V];  // two sums per (row, vector): consecutive rounds alternate
+// The scales of a round's four blocks (E8M0 bytes, byte b block b's) as float32 lanes 4b to
+// 4b + 3: each byte moved to bits 16-23 of its lanes by a byte shuffle, then into the exponent
+// field; exponent byte 0 (2^-127, below float32's normal range) takes its subnormal bits.  Byte
+// 255 (NaN) comes out infinite: the rounds flag it (nan_scale_bytes), and the row's sums are NaN.
+TUTEL_AVX512_BF16_CODES inline __m512 e8m0_round_scales(uint32_t bytes) {
+  const __m512i spread = _mm512_set_epi32(0x80038080, 0x80038080, 0x80038080, 0x80038080,  //
+                                          0x80028080, 0x80028080, 0x80028080, 0x80028080,  //
+                                          0x80018080, 0x80018080, 0x80018080, 0x80018080,  //
+                                          0x80008080, 0x80008080, 0x80008080, 0x80008080);
+  const __m512i exponents = _mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(int(bytes)), spread), 7);
+  return _mm512_castsi512_ps(_mm512_max_epu32(exponents, _mm512_set1_epi32(0x00400000)));
+}
 
-  TUTEL_AVX512_BF16_CODES void clear() {
-    for (int a = 0; a < 2; ++a)
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) acc[a][r][v] = _mm512_setzero_ps();
-  }
-};
+// Nonzero where one of the four bytes is 255 (E8M0's NaN): a byte of ~bytes that is zero.  Scalar
+// work, on ports the vector decoding leaves idle.
+inline uint32_t nan_scale_bytes(uint32_t bytes) {
+  const uint32_t inverted = ~bytes;
+  return (inverted - 0x01010101u) & ~inverted & 0x80808080u;
+}
 
-// One round (the codes at byte offset `at` of each row, scale blocks b and b + 1) into sums[A].
-// Whole: 64 elements; otherwise the row's last 32 (16 code bytes, one block, whose second half of
-// the lanes then sums zeros times a zero scale).
-template <int R, int V, int A, bool Whole>
+// One round of each row (the codes at byte offset 64q, scale blocks 4q to 4q + 3) into acc.
+// Whole: 128 elements; otherwise the row's last `blocks` (1 to 3) scale blocks, whose missing codes
+// and scales are read as zeros (the vectors' padding is zero too).
+template <int R, int V, bool Whole>
 TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&codes)[R],
-                                                     const uint8_t* const (&scales)[R], const float* e8m0,
-                                                     __m512i table, const uint16_t* const* vectors, int64_t q,
-                                                     int64_t prefetch, Bf16Sums<R, V>& sums) {
-  __m512i low[R], high[R];
+                                                     const uint8_t* const (&scales)[R], __m512i table,
+                                                     const uint16_t* const* vectors, int64_t q, int blocks,
+                                                     int64_t prefetch, __m512 (&acc)[R][V],
+                                                     uint32_t (&nan_scales)[R]) {
+  __m512i w[R][4];
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
-    const uint8_t* p = codes[r] + q * (kQuantBf16Round / 2);
-    if (A == 0) prefetch_codes(p, prefetch);
-    const __m256i bytes = Whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi8(__mmask32(0xffffu), p);
-    const __m512i wide = _mm512_cvtepu8_epi16(bytes);
-    low[r] = _mm512_permutexvar_epi16(wide, table);
-    high[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
-    const __m512 first = _mm512_set1_ps(e8m0[scales[r][2 * q]]);
-    scale[r] = _mm512_mask_mov_ps(first, __mmask16(0xff00),
-                                  Whole ? _mm512_set1_ps(e8m0[scales[r][2 * q + 1]]) : _mm512_setzero_ps());
+    const uint8_t* p = codes[r] + q * 64;
+    const uint8_t* s = scales[r] + q * 4;
+    prefetch_codes(p, prefetch);
+    uint32_t four = 0;
+    __m512i words;
+    if (Whole) {
+      std::memcpy(&four, s, 4);
+      words = _mm512_loadu_si512(p);
+    } else {
+      for (int b = 0; b < blocks; ++b) four |= uint32_t(s[b]) << (8 * b);
+      words = _mm512_maskz_loadu_epi8(~0ull >> (64 - 16 * blocks), p);
+    }
+    w[r][0] = _mm512_permutexvar_epi16(words, table);
+    w[r][1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+    w[r][2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table);
+    w[r][3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table);
+    scale[r] = e8m0_round_scales(four);
+    nan_scales[r] |= nan_scale_bytes(four);
   }
   for (int v = 0; v < V; ++v) {
-    const uint16_t* x = vectors[v] + q * kQuantBf16Round;
-    const __m512i even = _mm512_loadu_si512(x), odd = _mm512_loadu_si512(x + kQuantBf16Round / 2);
+    const uint16_t* x = vectors[v] + q * 128;
+    __m512i quarter[4];
+    for (int j = 0; j < 4; ++j) quarter[j] = _mm512_loadu_si512(x + 32 * j);
     for (int r = 0; r < R; ++r) {
-      __m512 dots = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)low[r], (__m512bh)even);
-      dots = _mm512_dpbf16_ps(dots, (__m512bh)high[r], (__m512bh)odd);
-      sums.acc[A][r][v] = _mm512_fmadd_ps(dots, scale[r], sums.acc[A][r][v]);
+      __m512 dots = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[r][0], (__m512bh)quarter[0]);
+      for (int j = 1; j < 4; ++j) dots = _mm512_dpbf16_ps(dots, (__m512bh)w[r][j], (__m512bh)quarter[j]);
+      acc[r][v] = _mm512_fmadd_ps(dots, scale[r], acc[r][v]);
     }
   }
 }
@@ -323,7 +344,6 @@ TUTEL_AVX512_BF16_CODES inline void mxfp4_bf16_round(const uint8_t* const (&code
 template <int R, int V>
 TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows,
                                              const uint16_t* const* vectors, float* out, int out_stride) {
-  const float* e8m0 = byte_tables().e8m0;
   const __m512i table = e2m1_bf16_table();
   const uint8_t* codes[R];
   const uint8_t* scales[R];
@@ -332,26 +352,25 @@ TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t e
     scales[r] = m.row_byte_scales(expert, rows[r]);
     prefetch_row_scales(m, scales[r]);
   }
-  Bf16Sums<R, V> sums;
-  sums.clear();
-  const int64_t whole = m.cols / kQuantBf16Round;
-  int64_t q = 0;
-  for (; q + 1 < whole; q += 2) {
-    mxfp4_bf16_round<R, V, 0, true>(codes, scales, e8m0, table, vectors, q, m.prefetch_bytes, sums);
-    mxfp4_bf16_round<R, V, 1, true>(codes, scales, e8m0, table, vectors, q + 1, m.prefetch_bytes, sums);
+  __m512 acc[R][V];
+  uint32_t nan_scales[R] = {};
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t whole = m.cols / 128;
+  for (int64_t q = 0; q < whole; ++q) {
+    mxfp4_bf16_round<R, V, true>(codes, scales, table, vectors, q, 4, m.prefetch_bytes, acc, nan_scales);
   }
-  if (q < whole) mxfp4_bf16_round<R, V, 0, true>(codes, scales, e8m0, table, vectors, q++, m.prefetch_bytes, sums);
-  if (m.cols % kQuantBf16Round) {
-    mxfp4_bf16_round<R, V, 1, false>(codes, scales, e8m0, table, vectors, q, m.prefetch_bytes, sums);
+  if (const int rest = int(m.cols % 128 / kMxfp4Block)) {
+    mxfp4_bf16_round<R, V, false>(codes, scales, table, vectors, whole, rest, m.prefetch_bytes, acc, nan_scales);
   }
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
-      out[r * out_stride + v] = _mm512_reduce_add_ps(_mm512_add_ps(sums.acc[0][r][v], sums.acc[1][r][v]));
+      out[r * out_stride + v] = nan_scales[r] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_add_ps(acc[r][v]);
     }
   }
 }
 
-// fp8_block with bfloat16 vectors in the fp8 bfloat16 layout (kQuantBf16Round): a round's 64 E4M3
+// fp8_block with bfloat16 vectors in the fp8 bfloat16 layout (rounds of 64): a round's 64 E4M3
 // bytes look up the bytes of their bfloat16 bits (quant_codes_avx512_bf16.h), and two byte unpacks
 // pair them into bfloat16 lanes.  The unpacks work within 16-byte lanes, which is why the vectors'
 // rounds hold their elements in the order the bfloat16 lanes come out (bf16_layout_slot).  A scale
@@ -387,8 +406,8 @@ TUTEL_AVX512_BF16_CODES void fp8_block_bf16_dots(const QuantizedMatrix& m, int64
     __m512 dots[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) dots[r][v] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += kQuantBf16Round) {  // only the row's last round is partial
-      const int count = int(std::min<int64_t>(kQuantBf16Round, k1 - k));
+    for (int64_t k = k0; k < k1; k += 64) {  // only the row's last round is partial
+      const int count = int(std::min<int64_t>(64, k1 - k));
       __m512i w[R][2];
       for (int r = 0; r < R; ++r) {
         prefetch_codes(codes[r] + k, m.prefetch_bytes);

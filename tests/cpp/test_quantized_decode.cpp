@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/quantized_decode.h"
@@ -145,11 +146,62 @@ void check_kernels(const QuantKernels& kernels) {
   }
 }
 
-// bf16_dots with bfloat16 vectors in the bfloat16 layouts (rounds of 64 elements; mxfp4: the even
-// ones first; fp8_block with blocks a multiple of 64 wide: 8-element groups, the even ones first):
-// against the same double sums of the vectors' values, for rows of whole and half rounds, partial
-// last blocks, one to nine vectors, one and two rows.  FP8 blocks of 32 or 96 columns are not
-// whole rounds and go to the float32 kernels.
+// Where element k of a vector lies in the bfloat16 layout of `format`, from the layouts'
+// definitions: mxfp4 rounds of 128 elements hold elements 0, 4, 8, ..., then 1, 5, 9, ..., then
+// 2, 6, ... and 3, 7, ...; fp8_block rounds of 64 hold their 8-element groups 0, 2, 4, 6, then 1, 3,
+// 5, 7.
+int64_t bf16_layout_position(QuantFormat format, int64_t k) {
+  if (format == QuantFormat::kMxfp4) {
+    const int64_t round = k / 128 * 128, j = k - round;
+    return round + (j % 4) * 32 + j / 4;
+  }
+  const int64_t round = k / 64 * 64, j = k - round;
+  return round + (j / 8 % 2) * 32 + (j / 16) * 8 + j % 8;
+}
+
+// `count` random vectors of `cols` bfloat16 values: their values, and their bits in the bfloat16
+// layout of `format` (zeros past cols, up to a multiple of kQuantBf16Padding).
+struct Bf16Vectors {
+  std::vector<std::vector<double>> values;
+  std::vector<uint16_t> bits;
+  std::vector<const uint16_t*> vectors;
+
+  Bf16Vectors(QuantFormat format, int64_t cols, int count, std::mt19937& rng) {
+    const int64_t width = (cols + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding;
+    values.assign(size_t(count), std::vector<double>(size_t(cols), 0.0));
+    bits.assign(size_t(count * width), 0);
+    std::normal_distribution<float> normal;
+    for (int v = 0; v < count; ++v) {
+      for (int64_t k = 0; k < cols; ++k) {
+        float f = normal(rng);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        u &= 0xffff0000u;  // truncated to a bfloat16 value
+        std::memcpy(&f, &u, 4);
+        values[size_t(v)][size_t(k)] = f;
+        bits[size_t(v * width + bf16_layout_position(format, k))] = uint16_t(u >> 16);
+      }
+    }
+    for (int v = 0; v < count; ++v) vectors.push_back(bits.data() + v * width);
+  }
+};
+
+// The double sum of row `row` of `expert` times vector v's values, and the sum of the terms' magnitudes.
+std::pair<double, double> double_dot(const RandomStack& stack, int64_t expert, int64_t row, const Bf16Vectors& x,
+                                     int v) {
+  double want = 0, scale = 0;
+  for (int64_t k = 0; k < stack.m.cols; ++k) {
+    const double term = stack.value(expert, row, k) * x.values[size_t(v)][size_t(k)];
+    want += term;
+    scale += std::fabs(term);
+  }
+  return {want, scale};
+}
+
+// bf16_dots with bfloat16 vectors in the bfloat16 layouts against the same double sums of the
+// vectors' values, for rows of whole rounds and of one to three scale blocks past them (mxfp4),
+// partial last blocks (fp8_block), one to nine vectors, one and two rows.  FP8 blocks of 32 or 96
+// columns are not whole rounds and go to the float32 kernels.
 void check_bf16_kernels(const QuantKernels& kernels) {
   ASSERT_NE(kernels.bf16_dots, nullptr);
   std::mt19937 rng(11);
@@ -158,8 +210,9 @@ void check_bf16_kernels(const QuantKernels& kernels) {
     int64_t cols, block_rows, block_cols;
   };
   const Case cases[] = {{QuantFormat::kMxfp4, 32, 1, 1},          {QuantFormat::kMxfp4, 64, 1, 1},
-                        {QuantFormat::kMxfp4, 96, 1, 1},          {QuantFormat::kMxfp4, 2880, 1, 1},
-                        {QuantFormat::kMxfp4, 160, 1, 1},         {QuantFormat::kFp8Block, 200, 128, 128},
+                        {QuantFormat::kMxfp4, 96, 1, 1},          {QuantFormat::kMxfp4, 128, 1, 1},
+                        {QuantFormat::kMxfp4, 160, 1, 1},         {QuantFormat::kMxfp4, 352, 1, 1},
+                        {QuantFormat::kMxfp4, 2880, 1, 1},        {QuantFormat::kFp8Block, 200, 128, 128},
                         {QuantFormat::kFp8Block, 96, 3, 64},      {QuantFormat::kFp8Block, 130, 2, 64},
                         {QuantFormat::kFp8Block, 7, 1, 64},       {QuantFormat::kFp8Block, 300, 5, 192}};
   for (int64_t block_cols : {32, 96}) {
@@ -170,50 +223,65 @@ void check_bf16_kernels(const QuantKernels& kernels) {
     const int64_t experts = 3, rows = 7, cols = c.cols;
     RandomStack stack(c.format, experts, rows, cols, c.block_rows, c.block_cols, rng);
     ASSERT_TRUE(bf16_takes(stack.m));
-    const bool split = c.format == QuantFormat::kMxfp4;
-    const int64_t width = (cols + kQuantBf16Round - 1) / kQuantBf16Round * kQuantBf16Round, half = kQuantBf16Round / 2;
     for (int64_t rows_ahead : {int64_t(0), int64_t(8)}) {
       stack.m = prefetching(stack.m, rows_ahead);
       for (int count = 1; count <= 9; ++count) {
-        // Element k of vector v: values[v][k], a bfloat16 value, placed as the layout says; zero
-        // past cols.
-        std::vector<std::vector<double>> values(size_t(count), std::vector<double>(size_t(cols), 0.0));
-        std::vector<uint16_t> bits(size_t(count * width), 0);
-        std::vector<const uint16_t*> vectors;
-        std::normal_distribution<float> normal;
-        for (int v = 0; v < count; ++v) {
-          for (int64_t k = 0; k < cols; ++k) {
-            float f = normal(rng);
-            uint32_t u;
-            std::memcpy(&u, &f, 4);
-            u &= 0xffff0000u;  // truncated to a bfloat16 value
-            std::memcpy(&f, &u, 4);
-            values[size_t(v)][size_t(k)] = f;
-            // mxfp4: a round's even elements, then its odd ones; fp8_block: its 8-element groups
-            // 0, 2, 4, 6, then 1, 3, 5, 7
-            const int64_t round = k / kQuantBf16Round * kQuantBf16Round, j = k - round;
-            const int64_t slot = split ? (j & 1) * half + j / 2 : (j / 8 % 2) * half + (j / 16) * 8 + j % 8;
-            bits[size_t(v * width + round + slot)] = uint16_t(u >> 16);
-          }
-          vectors.push_back(bits.data() + v * width);
-        }
+        const Bf16Vectors x(c.format, cols, count, rng);
         for (int row_count = 1; row_count <= 2; ++row_count) {
           const int64_t expert = 1, picked[2] = {6, 3};
           std::vector<float> out(size_t(row_count * count));
-          kernels.bf16_dots(stack.m, expert, picked, row_count, vectors.data(), count, out.data());
+          kernels.bf16_dots(stack.m, expert, picked, row_count, x.vectors.data(), count, out.data());
           for (int r = 0; r < row_count; ++r) {
             for (int v = 0; v < count; ++v) {
-              double want = 0, scale = 0;
-              for (int64_t k = 0; k < cols; ++k) {
-                const double term = stack.value(expert, picked[r], k) * values[size_t(v)][size_t(k)];
-                want += term;
-                scale += std::fabs(term);
-              }
+              const auto [want, scale] = double_dot(stack, expert, picked[r], x, v);
               EXPECT_NEAR(out[size_t(r * count + v)], want, double(cols + 4) * std::ldexp(scale, -24) + 1e-30)
                   << kernels.name << " format " << int(c.format) << " cols " << cols << " row " << r << " vector " << v
                   << " of " << count;
             }
           }
+        }
+      }
+    }
+  }
+}
+
+// E8M0 scales at the ends of their range through bf16_dots: exponent bytes 0 to 3 (2^-127, below
+// float32's normal range, to 2^-124) give the double sums, compared without an absolute slack;
+// byte 255 (NaN), in a whole round or in the row's last blocks, makes that row's sums NaN and
+// leaves the other row's alone.  The NaN block's codes are all 1.0 and the vectors positive there,
+// so that a kernel that took byte 255 for infinity would sum +infinity, not NaN.
+void check_bf16_mxfp4_scale_ends(const QuantKernels& kernels) {
+  std::mt19937 rng(13);
+  const int64_t cols = 2880 + 96;  // 23 whole rounds and three blocks
+  for (int64_t nan_block : {int64_t(-1), int64_t(5), int64_t(cols / 32 - 1)}) {
+    RandomStack stack(QuantFormat::kMxfp4, 1, 2, cols, 1, 1, rng);
+    for (int64_t b = 0; b < stack.m.scale_blocks_per_row(); ++b) {
+      stack.byte_scales[size_t(b)] = uint8_t(b % 4);
+      if (b == nan_block) stack.byte_scales[size_t(stack.m.scale_blocks_per_row() + b)] = 255;
+    }
+    if (nan_block >= 0) {
+      for (int64_t i = 0; i < 16; ++i) stack.codes[size_t(cols / 2 + nan_block * 16 + i)] = 0x22;  // 1.0, 1.0
+    }
+    for (int count = 1; count <= 2; ++count) {
+      Bf16Vectors x(QuantFormat::kMxfp4, cols, count, rng);
+      const int64_t width = (cols + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding;
+      for (int v = 0; v < count && nan_block >= 0; ++v) {
+        for (int64_t k = nan_block * 32; k < nan_block * 32 + 32; ++k) {
+          x.values[size_t(v)][size_t(k)] = std::fabs(x.values[size_t(v)][size_t(k)]);
+          x.bits[size_t(v * width + bf16_layout_position(QuantFormat::kMxfp4, k))] &= 0x7fff;
+        }
+      }
+      const int64_t picked[2] = {0, 1};
+      std::vector<float> out(size_t(2 * count));
+      kernels.bf16_dots(stack.m, 0, picked, 2, x.vectors.data(), count, out.data());
+      for (int v = 0; v < count; ++v) {
+        const auto [want, scale] = double_dot(stack, 0, 0, x, v);
+        EXPECT_NEAR(out[size_t(v)], want, double(cols + 4) * std::ldexp(scale, -24)) << "vector " << v;
+        if (nan_block >= 0) {
+          EXPECT_TRUE(std::isnan(out[size_t(count + v)])) << "NaN scale in block " << nan_block;
+        } else {
+          const auto [want_1, scale_1] = double_dot(stack, 0, 1, x, v);
+          EXPECT_NEAR(out[size_t(count + v)], want_1, double(cols + 4) * std::ldexp(scale_1, -24)) << "vector " << v;
         }
       }
     }
@@ -239,6 +307,7 @@ TEST(QuantizedDecode, Avx512Bf16KernelsMatchDoubleSums) {
   if (bf16 == nullptr) GTEST_SKIP() << "no AVX512-BF16 on this CPU or in this build";
   check_kernels(*bf16);
   check_bf16_kernels(*bf16);
+  check_bf16_mxfp4_scale_ends(*bf16);
 }
 
 TEST(QuantizedDecode, BestKernelsAreTheWidestThisCpuRuns) {
