@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "work_queue.h"
 
 namespace tutel {
 namespace core {
@@ -206,10 +207,26 @@ constexpr int64_t kUnitsPerItem = 16;
 constexpr int64_t kOutputsPerItem = 16;
 
 // Rows read ahead of the kernels' loads.  Each pass reads its rows in order, an item's rows after
-// the previous item's on the same thread (parallel_for hands out consecutive items), and the
+// the previous item's on the same thread (claimed_runs hands out runs of neighbouring items), and the
 // hardware prefetchers pick up such short streams late, so that without these prefetches a
 // thread's loads kept waiting on memory (benchmarks/quantized_experts.py measures the step).
 constexpr int64_t kPrefetchRows = 8;
+
+// Runs fn over [0, items) in runs of neighbouring items that each thread claims as it finishes the
+// last (WorkQueue::claim_run: long runs first, single items last).  With a fixed split of the
+// items, the thread whose share read faster waited at the end of every pass for the other
+// (benchmarks/quantized_experts.py, the one-token step).
+void claimed_runs(int64_t items, const std::function<void(int64_t, int64_t)>& fn) {
+  std::vector<int64_t> order(static_cast<size_t>(items));
+  std::iota(order.begin(), order.end(), int64_t(0));
+  WorkQueue queue(std::move(order));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(max_parallelism(), items));
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (auto run = queue.claim_run(workers); run.first < run.second; run = queue.claim_run(workers)) {
+      fn(run.first, run.second);
+    }
+  });
+}
 
 template <class T>
 void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
@@ -224,7 +241,7 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
   // and rounded to the tokens' dtype there.
   GatedUnit gathered = call.unit.gated;
   gathered.interleaved = false;
-  parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
+  claimed_runs(items, [&](int64_t item_begin, int64_t item_end) {
     std::vector<float> dots, gates_ups;
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t a = item / blocks, unit_begin = (item % blocks) * kUnitsPerItem;
@@ -286,7 +303,7 @@ void down_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
                const PassVectors& h_rows, float* sums) {
   const int64_t outputs = call.outputs, tokens = call.tokens;
   const int64_t items = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
-  parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
+  claimed_runs(items, [&](int64_t item_begin, int64_t item_end) {
     std::vector<float> dots;
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t n_begin = item * kOutputsPerItem, n_end = std::min(outputs, n_begin + kOutputsPerItem);
