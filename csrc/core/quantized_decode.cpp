@@ -126,13 +126,16 @@ struct PassVectors {
   std::vector<const uint16_t*> bf16_rows;
   QuantRowDotsBf16 bf16_dots = nullptr;
 
-  // The dot products of `row_count` rows with the vectors of choices first .. first + count - 1.
+  // The dot products of `row_count` (up to kQuantMaxRows) rows with the vectors of choices first ..
+  // first + count - 1, out[r * count + v]; the float32 kernels take two rows at a time.
   void operator()(const QuantizedMatrix& m, int64_t expert, const int64_t* picked, int row_count, int64_t first,
                   int count, float* out) const {
     if (bf16_dots != nullptr) {
       bf16_dots(m, expert, picked, row_count, bf16_rows.data() + first, count, out);
-    } else {
-      dots(m, expert, picked, row_count, rows.data() + first, count, out);
+      return;
+    }
+    for (int r = 0; r < row_count; r += 2) {
+      dots(m, expert, picked + r, std::min(2, row_count - r), rows.data() + first, count, out + r * count);
     }
   }
 };
@@ -249,27 +252,32 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
       const int64_t expert = plan.active[size_t(a)], first = plan.starts[size_t(a)];
       const int count = int(plan.starts[size_t(a) + 1] - first);
       const float* bias = call.gate_up_bias ? call.gate_up_bias + expert * call.gate_up.rows : nullptr;
-      dots.resize(size_t(2 * count));
+      dots.resize(size_t(kQuantMaxRows * count));
       if (gated) gates_ups.resize(size_t(count * 2 * kUnitsPerItem));
-      // Gated: the unit's gate and up rows; up-only: two units' rows at a time.
-      const int64_t step = gated ? 1 : 2;
-      for (int64_t i = unit_begin; i < unit_end; i += step) {
-        int64_t rows[2];
-        int row_count = 2;
-        if (gated) {
-          rows[0] = interleaved ? 2 * i : i;
-          rows[1] = interleaved ? 2 * i + 1 : inter + i;
-        } else {
-          rows[0] = i;
-          rows[1] = i + 1;
-          row_count = i + 1 < unit_end ? 2 : 1;
+      // Gated: two units' gate and up rows at a time; up-only: four units' rows.
+      const int64_t units_per_call = gated ? kQuantMaxRows / 2 : kQuantMaxRows;
+      for (int64_t i0 = unit_begin; i0 < unit_end; i0 += units_per_call) {
+        const int units = int(std::min(units_per_call, unit_end - i0));
+        int64_t rows[kQuantMaxRows];
+        for (int u = 0; u < units; ++u) {
+          const int64_t i = i0 + u;
+          if (gated) {
+            rows[2 * u] = interleaved ? 2 * i : i;
+            rows[2 * u + 1] = interleaved ? 2 * i + 1 : inter + i;
+          } else {
+            rows[u] = i;
+          }
         }
+        const int row_count = gated ? 2 * units : units;
         token_rows(call.gate_up, expert, rows, row_count, first, count, dots.data());
         for (int v = 0; v < count; ++v) {
           if (gated) {
             float* gate_up = gates_ups.data() + v * 2 * kUnitsPerItem;
-            gate_up[i - unit_begin] = dots[size_t(v)] + (bias ? bias[rows[0]] : 0.0f);
-            gate_up[kUnitsPerItem + i - unit_begin] = dots[size_t(count + v)] + (bias ? bias[rows[1]] : 0.0f);
+            for (int u = 0; u < units; ++u) {
+              const int64_t at = i0 + u - unit_begin;
+              gate_up[at] = dots[size_t(2 * u * count + v)] + (bias ? bias[rows[2 * u]] : 0.0f);
+              gate_up[kUnitsPerItem + at] = dots[size_t((2 * u + 1) * count + v)] + (bias ? bias[rows[2 * u + 1]] : 0.0f);
+            }
           } else {
             float* h_row = h + (first + v) * h_stride;
             for (int r = 0; r < row_count; ++r) {
@@ -312,10 +320,10 @@ void down_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
         const int64_t expert = plan.active[a], first = plan.starts[a];
         const int count = int(plan.starts[a + 1] - first);
         const float* bias = call.down_bias ? call.down_bias + expert * outputs : nullptr;
-        dots.resize(size_t(2 * count));
-        for (int64_t n = n_begin; n < n_end; n += 2) {
-          const int64_t rows[2] = {n, n + 1};
-          const int row_count = n + 1 < n_end ? 2 : 1;
+        dots.resize(size_t(kQuantMaxRows * count));
+        for (int64_t n = n_begin; n < n_end; n += kQuantMaxRows) {
+          const int64_t rows[kQuantMaxRows] = {n, n + 1, n + 2, n + 3};
+          const int row_count = int(std::min<int64_t>(kQuantMaxRows, n_end - n));
           h_rows(call.down, expert, rows, row_count, first, count, dots.data());
           for (int r = 0; r < row_count; ++r) {
             const float b = bias ? bias[rows[r]] : 0.0f;

@@ -131,8 +131,11 @@ inline int64_t bf16_layout_slot(const QuantizedMatrix& m, int64_t j) {
   return (j % 4) * 32 + j / 4;
 }
 
-// The dot products of QuantRowDots with vectors of bfloat16 bits in the bfloat16 layout; the
-// products are exact (E2M1 values times bfloat16 values), the sums float32.
+// The most rows a QuantRowDotsBf16 call takes.
+constexpr int kQuantMaxRows = 4;
+
+// The dot products of QuantRowDots with vectors of bfloat16 bits in the bfloat16 layout, for one to
+// kQuantMaxRows rows; the products are exact (E2M1 values times bfloat16 values), the sums float32.
 using QuantRowDotsBf16 = void (*)(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
                                   const uint16_t* const* vectors, int count, float* out);
 

@@ -200,7 +200,7 @@ std::pair<double, double> double_dot(const RandomStack& stack, int64_t expert, i
 
 // bf16_dots with bfloat16 vectors in the bfloat16 layouts against the same double sums of the
 // vectors' values, for rows of whole rounds and of one to three scale blocks past them (mxfp4),
-// partial last blocks (fp8_block), one to nine vectors, one and two rows.  FP8 blocks of 32 or 96
+// partial last blocks (fp8_block), one to nine vectors, one to four rows.  FP8 blocks of 32 or 96
 // columns are not whole rounds and go to the float32 kernels.
 void check_bf16_kernels(const QuantKernels& kernels) {
   ASSERT_NE(kernels.bf16_dots, nullptr);
@@ -227,8 +227,8 @@ void check_bf16_kernels(const QuantKernels& kernels) {
       stack.m = prefetching(stack.m, rows_ahead);
       for (int count = 1; count <= 9; ++count) {
         const Bf16Vectors x(c.format, cols, count, rng);
-        for (int row_count = 1; row_count <= 2; ++row_count) {
-          const int64_t expert = 1, picked[2] = {6, 3};
+        for (int row_count = 1; row_count <= kQuantMaxRows; ++row_count) {
+          const int64_t expert = 1, picked[kQuantMaxRows] = {6, 3, 4, 0};
           std::vector<float> out(size_t(row_count * count));
           kernels.bf16_dots(stack.m, expert, picked, row_count, x.vectors.data(), count, out.data());
           for (int r = 0; r < row_count; ++r) {
