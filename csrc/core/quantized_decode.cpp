@@ -274,9 +274,9 @@ void gate_up_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
           if (gated) {
             float* gate_up = gates_ups.data() + v * 2 * kUnitsPerItem;
             for (int u = 0; u < units; ++u) {
-              const int64_t at = i0 + u - unit_begin;
-              gate_up[at] = dots[size_t(2 * u * count + v)] + (bias ? bias[rows[2 * u]] : 0.0f);
-              gate_up[kUnitsPerItem + at] = dots[size_t((2 * u + 1) * count + v)] + (bias ? bias[rows[2 * u + 1]] : 0.0f);
+              const int64_t at = i0 + u - unit_begin, gate = 2 * u, up = 2 * u + 1;
+              gate_up[at] = dots[size_t(gate * count + v)] + (bias ? bias[rows[gate]] : 0.0f);
+              gate_up[kUnitsPerItem + at] = dots[size_t(up * count + v)] + (bias ? bias[rows[up]] : 0.0f);
             }
           } else {
             float* h_row = h + (first + v) * h_stride;
@@ -322,8 +322,9 @@ void down_pass(const QuantizedDecodeCall<T>& call, const ChoicePlan& plan,
         const float* bias = call.down_bias ? call.down_bias + expert * outputs : nullptr;
         dots.resize(size_t(kQuantMaxRows * count));
         for (int64_t n = n_begin; n < n_end; n += kQuantMaxRows) {
-          const int64_t rows[kQuantMaxRows] = {n, n + 1, n + 2, n + 3};
           const int row_count = int(std::min<int64_t>(kQuantMaxRows, n_end - n));
+          int64_t rows[kQuantMaxRows];
+          for (int r = 0; r < row_count; ++r) rows[r] = n + r;
           h_rows(call.down, expert, rows, row_count, first, count, dots.data());
           for (int r = 0; r < row_count; ++r) {
             const float b = bias ? bias[rows[r]] : 0.0f;

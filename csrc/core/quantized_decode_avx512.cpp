@@ -365,7 +365,8 @@ TUTEL_AVX512_BF16_CODES void mxfp4_bf16_dots(const QuantizedMatrix& m, int64_t e
   }
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
-      out[r * out_stride + v] = nan_scales[r] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_add_ps(acc[r][v]);
+      const float sum = _mm512_reduce_add_ps(acc[r][v]);
+      out[r * out_stride + v] = nan_scales[r] ? std::numeric_limits<float>::quiet_NaN() : sum;
     }
   }
 }
