@@ -463,7 +463,7 @@ void rows_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* row
 void avx512_bf16_dots(const QuantizedMatrix& m, int64_t expert, const int64_t* rows, int row_count,
                       const uint16_t* const* vectors, int count, float* out) {
   if (row_count == 4 && count == 1) {
-    rows_bf16_dots<4>(m, expert, rows, vectors, count, out);
+    bf16_dots_of<4, 1>(m, expert, rows, vectors, out, 1);
     return;
   }
   for (int r = 0; r < row_count; r += 2) {

@@ -165,9 +165,10 @@ struct Bf16Vectors {
   std::vector<std::vector<double>> values;
   std::vector<uint16_t> bits;
   std::vector<const uint16_t*> vectors;
+  int64_t width;  // elements from one vector's bits to the next's
 
-  Bf16Vectors(QuantFormat format, int64_t cols, int count, std::mt19937& rng) {
-    const int64_t width = (cols + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding;
+  Bf16Vectors(QuantFormat format, int64_t cols, int count, std::mt19937& rng)
+      : width((cols + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding) {
     values.assign(size_t(count), std::vector<double>(size_t(cols), 0.0));
     bits.assign(size_t(count * width), 0);
     std::normal_distribution<float> normal;
@@ -264,11 +265,10 @@ void check_bf16_mxfp4_scale_ends(const QuantKernels& kernels) {
     }
     for (int count = 1; count <= 2; ++count) {
       Bf16Vectors x(QuantFormat::kMxfp4, cols, count, rng);
-      const int64_t width = (cols + kQuantBf16Padding - 1) / kQuantBf16Padding * kQuantBf16Padding;
       for (int v = 0; v < count && nan_block >= 0; ++v) {
         for (int64_t k = nan_block * 32; k < nan_block * 32 + 32; ++k) {
           x.values[size_t(v)][size_t(k)] = std::fabs(x.values[size_t(v)][size_t(k)]);
-          x.bits[size_t(v * width + bf16_layout_position(QuantFormat::kMxfp4, k))] &= 0x7fff;
+          x.bits[size_t(v * x.width + bf16_layout_position(QuantFormat::kMxfp4, k))] &= 0x7fff;
         }
       }
       const int64_t picked[2] = {0, 1};
